@@ -1,0 +1,207 @@
+/*
+ * libsparge — training-free block-sparse attention with a stable C ABI.
+ *
+ * This is the only public header. It is C99 and includes nothing beyond
+ * <stddef.h> and <stdint.h>. See docs/API.md for the full reference.
+ *
+ * ABI rules
+ *  - Enumerator values never change; new ones are appended.
+ *  - Every struct passed by pointer starts with `size_t struct_size`, set by the
+ *    caller to sizeof(the struct it was compiled against) (use the *_INIT macros).
+ *    The library reads only the fields that fit in struct_size, so structs can grow.
+ *  - Nothing crosses the ABI as an exception, abort or exit: every failure is a
+ *    status plus a thread-local message (sparge_last_error()).
+ *  - sparge_predict_mask and sparge_attention_run allocate nothing, never
+ *    synchronize the host and run on the caller's stream (CUDA graph capturable).
+ */
+#ifndef SPARGE_SPARGE_H_
+#define SPARGE_SPARGE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SPARGE_VERSION_MAJOR 0
+#define SPARGE_VERSION_MINOR 1
+#define SPARGE_VERSION_PATCH 0
+#define SPARGE_VERSION_NUMBER \
+  (SPARGE_VERSION_MAJOR * 10000 + SPARGE_VERSION_MINOR * 100 + SPARGE_VERSION_PATCH)
+
+#if defined(_WIN32)
+#  if defined(SPARGE_BUILDING_LIBRARY)
+#    define SPARGE_API __declspec(dllexport)
+#  else
+#    define SPARGE_API __declspec(dllimport)
+#  endif
+#elif defined(__GNUC__) || defined(__clang__)
+#  define SPARGE_API __attribute__((visibility("default")))
+#else
+#  define SPARGE_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ status */
+typedef enum sparge_status {
+  SPARGE_OK = 0,
+  SPARGE_ERR_INVALID_ARGUMENT = 1,   /* NULL, bad shape/stride/dtype/value      */
+  SPARGE_ERR_UNSUPPORTED = 2,        /* valid request this build/GPU cannot do  */
+  SPARGE_ERR_WORKSPACE_TOO_SMALL = 3,
+  SPARGE_ERR_NO_DEVICE = 4,          /* CUDA plan but no usable GPU/CUDA backend */
+  SPARGE_ERR_CUDA = 5,               /* a CUDA runtime/driver call failed        */
+  SPARGE_ERR_OUT_OF_MEMORY = 6,      /* host allocation in plan creation failed  */
+  SPARGE_ERR_INTERNAL = 7
+} sparge_status_t;
+
+/* ------------------------------------------------------------------ enums */
+typedef enum sparge_dtype {
+  SPARGE_DTYPE_FLOAT16 = 0,
+  SPARGE_DTYPE_BFLOAT16 = 1,
+  SPARGE_DTYPE_FLOAT32 = 2,
+  SPARGE_DTYPE_UINT8 = 3,   /* block masks                          */
+  SPARGE_DTYPE_INT32 = 4    /* kept-block counts                    */
+} sparge_dtype_t;
+
+typedef enum sparge_device_type {
+  SPARGE_DEVICE_CPU = 0,
+  SPARGE_DEVICE_CUDA = 1
+} sparge_device_type_t;
+
+typedef enum sparge_precision {
+  /* Q, K int8 (per-token Q scale, per-64-key-block K scale, K smoothed);
+   * P and V fp8 e4m3 (per-channel V scale); fp32 accumulation.
+   * The fast default on sm_90. The CPU backend emulates it bit-for-bit in its
+   * rounding steps (the "quantization twin"). */
+  SPARGE_PRECISION_INT8_FP8 = 0,
+  /* Q, K, P, V in the input's 16-bit type, fp32 accumulation. */
+  SPARGE_PRECISION_FP16 = 1,
+  /* No rounding at all: float64 accumulation. CPU backend only. */
+  SPARGE_PRECISION_EXACT = 2
+} sparge_precision_t;
+
+typedef enum sparge_select_mode {
+  SPARGE_SELECT_TOPK = 0,  /* keep max(1, floor(topk * visible)) blocks per row  */
+  SPARGE_SELECT_CDF = 1    /* keep the smallest set with probability >= cdf_threshold */
+} sparge_select_mode_t;
+
+/* ------------------------------------------------------------------ tensors */
+/* A borrowed, strided view of a tensor (compatible in spirit with DLPack's
+ * DLTensor: pointer, device, dtype, shape and strides in ELEMENTS).
+ * Attention tensors are 4-D in logical order [B, H, L, D]; any strides are
+ * accepted as long as the last (D) stride is 1 (HND, NHD, packed QKV ...).
+ * LSE is 3-D [B, Hq, Lq]; a block mask is 4-D [B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)];
+ * kept-block counts are 2-D [B, Hq]. Unused trailing shape/stride entries are ignored. */
+#define SPARGE_MAX_DIMS 4
+typedef struct sparge_tensor {
+  void* data;
+  sparge_device_type_t device_type;
+  int32_t device_id;
+  sparge_dtype_t dtype;
+  int32_t ndim;
+  int64_t shape[SPARGE_MAX_DIMS];
+  int64_t strides[SPARGE_MAX_DIMS];
+} sparge_tensor_t;
+
+/* ------------------------------------------------------------------ problem */
+typedef struct sparge_problem {
+  size_t struct_size;        /* = sizeof(sparge_problem_t)                      */
+  int64_t batch;             /* B                                               */
+  int64_t heads_q;           /* Hq                                              */
+  int64_t heads_kv;          /* Hkv, Hq % Hkv == 0 (GQA / MQA)                  */
+  int64_t len_q;             /* Lq                                              */
+  int64_t len_kv;            /* Lkv                                             */
+  int64_t head_dim;          /* D: 64/96/128 (GPU: 64, 128); CPU: 1..256        */
+  sparge_dtype_t dtype;      /* q, k, v and out dtype                           */
+  sparge_device_type_t device_type;
+  int32_t device_id;
+  sparge_precision_t precision;
+  int32_t causal;            /* bottom-right aligned: q i sees k j iff j <= i + Lkv - Lq */
+  float scale;               /* softmax scale; 0 means 1/sqrt(D)                */
+  int32_t block_q;           /* mask block rows; 0 means 128                    */
+  int32_t block_k;           /* mask block cols; 0 means 64                     */
+} sparge_problem_t;
+
+#define SPARGE_PROBLEM_INIT                                                       \
+  { sizeof(sparge_problem_t), 1, 1, 1, 0, 0, 128, SPARGE_DTYPE_BFLOAT16,           \
+    SPARGE_DEVICE_CPU, 0, SPARGE_PRECISION_INT8_FP8, 0, 0.0f, 0, 0 }
+
+/* ------------------------------------------------------------------ prediction */
+typedef struct sparge_predict_params {
+  size_t struct_size;             /* = sizeof(sparge_predict_params_t)          */
+  sparge_select_mode_t mode;
+  float topk;                     /* (0, 1], TOPK mode                          */
+  float cdf_threshold;            /* (0, 1], CDF mode                           */
+  float sim_threshold;            /* blocks with self-similarity < this are kept
+                                     whole (non-compressible); <= 0 disables     */
+  int32_t smooth_k;               /* subtract the per-head mean of K            */
+  int32_t attention_sink;         /* always keep key block 0                    */
+  /* Optional per-head overrides, length Hq, in the plan's memory space (host
+   * memory for CPU plans, device memory for CUDA plans); NULL = use the scalar. */
+  const float* topk_per_head;
+  const float* cdf_threshold_per_head;
+  const float* sim_threshold_per_head;
+  float pv_threshold;             /* PV skip; 0 (default) = off. Positive values
+                                     are reserved: SPARGE_ERR_UNSUPPORTED today  */
+} sparge_predict_params_t;
+
+#define SPARGE_PREDICT_PARAMS_INIT                                                  \
+  { sizeof(sparge_predict_params_t), SPARGE_SELECT_TOPK, 0.5f, 0.9f, -0.1f, 1, 0,    \
+    NULL, NULL, NULL, 0.0f }
+
+/* ------------------------------------------------------------------ API */
+typedef struct sparge_plan* sparge_plan_t;
+
+/* Validates the problem, resolves defaults, computes the workspace layout.
+ * CUDA plans check the device here (the only place the library may synchronize
+ * or query the driver). On failure *out is set to NULL. */
+SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, sparge_plan_t* out);
+
+/* Bytes of scratch memory (in the plan's memory space, 256-byte aligned) that
+ * predict_mask and attention_run need. Zero-sized workspaces may pass NULL. */
+SPARGE_API sparge_status_t sparge_plan_workspace_size(sparge_plan_t plan, size_t* bytes);
+
+/* The resolved problem (defaults filled in: scale, block sizes). */
+SPARGE_API sparge_status_t sparge_plan_get_problem(sparge_plan_t plan, sparge_problem_t* problem);
+
+/* Number of causally visible (query-block, key-block) pairs per (batch, head):
+ * the denominator of the block density. Host-only arithmetic. */
+SPARGE_API sparge_status_t sparge_plan_visible_blocks(sparge_plan_t plan, int64_t* visible_per_head);
+
+/* Predicts the block mask from Q and K. mask_out: uint8 [B, Hq, nQB, nKB].
+ * kept_out (optional, may be NULL): int32 [B, Hq], number of kept blocks.
+ * params NULL = defaults (SPARGE_PREDICT_PARAMS_INIT). */
+SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_tensor_t* q,
+                                               const sparge_tensor_t* k,
+                                               const sparge_predict_params_t* params,
+                                               const sparge_tensor_t* mask_out,
+                                               const sparge_tensor_t* kept_out, void* workspace,
+                                               size_t workspace_bytes, void* stream);
+
+/* Block-sparse attention. mask: uint8 [B, Hq, nQB, nKB] (1 = compute), or NULL
+ * to predict it inside with `params` (NULL = defaults). lse: optional float32
+ * [B, Hq, Lq] (natural log; -inf for rows with no visible key).
+ * out has q's logical shape and the problem dtype; any strides with unit D stride. */
+SPARGE_API sparge_status_t sparge_attention_run(sparge_plan_t plan, const sparge_tensor_t* q,
+                                                const sparge_tensor_t* k, const sparge_tensor_t* v,
+                                                const sparge_tensor_t* mask,
+                                                const sparge_predict_params_t* params,
+                                                const sparge_tensor_t* out,
+                                                const sparge_tensor_t* lse, void* workspace,
+                                                size_t workspace_bytes, void* stream);
+
+/* Accepts NULL. */
+SPARGE_API void sparge_destroy_plan(sparge_plan_t plan);
+
+/* Thread-local text of the last failure on this thread; "" after success. Never NULL. */
+SPARGE_API const char* sparge_last_error(void);
+SPARGE_API const char* sparge_status_string(sparge_status_t status);
+SPARGE_API void sparge_version(int* major, int* minor, int* patch);
+/* 1 if this build has the CUDA backend, else 0. */
+SPARGE_API int sparge_has_cuda(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SPARGE_SPARGE_H_ */

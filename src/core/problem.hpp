@@ -1,0 +1,144 @@
+// Backend-neutral description of one attention problem, its tensors after
+// validation, the resolved prediction parameters, and the workspace layout.
+// Kernels and the CPU reference see only these types, never the C API structs.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "sparge/sparge.h"
+
+#if defined(__CUDACC__)
+#define SPARGE_HD __host__ __device__ __forceinline__
+#else
+#define SPARGE_HD inline
+#endif
+
+namespace sparge {
+
+// Block sizes the CUDA kernels are built for (mask granularity == kernel tiles).
+constexpr int kGpuBlockQ = 128;
+constexpr int kGpuBlockK = 64;
+// fp8 e4m3 largest finite value; P is stored as p * kP8Scale, V per channel as v / (amax / kP8Scale).
+constexpr float kFp8Max = 448.0f;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Problem {
+  int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lkv = 0, D = 0;
+  sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
+  sparge_device_type_t device = SPARGE_DEVICE_CPU;
+  int device_id = 0;
+  sparge_precision_t precision = SPARGE_PRECISION_INT8_FP8;
+  bool causal = false;
+  float scale = 0.f;      // resolved (never 0)
+  int BQ = 128, BK = 64;  // resolved mask block sizes
+  int64_t nQB = 0, nKB = 0;
+  int64_t group() const { return Hq / Hkv; }
+};
+
+// A validated 4-D view [B, H, L, D] (strides in elements, stride[3] == 1).
+struct Tensor4 {
+  void* data = nullptr;
+  sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
+  int64_t shape[4] = {0, 0, 0, 0};
+  int64_t stride[4] = {0, 0, 0, 1};
+  SPARGE_HD int64_t offset(int64_t b, int64_t h, int64_t l, int64_t d) const {
+    return b * stride[0] + h * stride[1] + l * stride[2] + d * stride[3];
+  }
+};
+
+// uint8 block mask [B, Hq, nQB, nKB], any strides.
+struct MaskView {
+  uint8_t* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+  SPARGE_HD int64_t offset(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return b * stride[0] + h * stride[1] + i * stride[2] + j * stride[3];
+  }
+};
+
+// int32 [B, Hq] kept-block counts.
+struct KeptView {
+  int32_t* data = nullptr;
+  int64_t stride[2] = {0, 0};
+};
+
+// float32 [B, Hq, Lq] log-sum-exp.
+struct LseView {
+  float* data = nullptr;
+  int64_t stride[3] = {0, 0, 0};
+};
+
+// Prediction parameters after validation (pointers in the plan's memory space).
+struct PredictConfig {
+  sparge_select_mode_t mode = SPARGE_SELECT_TOPK;
+  float topk = 0.5f;
+  float cdf_threshold = 0.9f;
+  float sim_threshold = -0.1f;
+  bool smooth_k = true;
+  bool attention_sink = false;
+  const float* topk_per_head = nullptr;
+  const float* cdf_per_head = nullptr;
+  const float* sim_per_head = nullptr;
+};
+
+// ---------------------------------------------------------------- semantics
+// Causal rule (bottom-right aligned): query i sees key j iff j <= i + (Lkv - Lq).
+// Last key index visible to query row i (may be < 0: the row sees nothing).
+SPARGE_HD int64_t causal_last_key(int64_t i, int64_t Lq, int64_t Lkv) { return i + (Lkv - Lq); }
+
+// Number of key blocks causally visible to query block qb (0 when the whole
+// block sees nothing). Without causality every key block is visible.
+SPARGE_HD int64_t visible_key_blocks(const Problem& p, int64_t qb) {
+  if (!p.causal) return p.nKB;
+  int64_t last_row = qb * p.BQ + p.BQ - 1;
+  if (last_row > p.Lq - 1) last_row = p.Lq - 1;
+  int64_t last_key = causal_last_key(last_row, p.Lq, p.Lkv);
+  if (last_key < 0) return 0;
+  if (last_key > p.Lkv - 1) last_key = p.Lkv - 1;
+  return last_key / p.BK + 1;
+}
+
+// Blocks kept by top-k among `visible` candidates.
+SPARGE_HD int64_t topk_count(float topk, int64_t visible) {
+  if (visible <= 0) return 0;
+  int64_t n = static_cast<int64_t>(static_cast<double>(topk) * static_cast<double>(visible));
+  if (n < 1) n = 1;
+  if (n > visible) n = visible;
+  return n;
+}
+
+// ---------------------------------------------------------------- workspace
+// One function computes both the size and the offsets, so the size query and
+// the real use cannot drift. All offsets are 256-byte aligned; 0 bytes = unused.
+struct WorkspaceLayout {
+  size_t total = 0;
+  // shared by both backends
+  size_t k_mean = 0;    // float [B*Hkv, D]
+  size_t pooled_q = 0;  // float [B*Hq, nQB, D]
+  size_t sim_q = 0;     // float [B*Hq, nQB]
+  size_t pooled_k = 0;  // float [B*Hkv, nKB, D]
+  size_t sim_k = 0;     // float [B*Hkv, nKB]
+  size_t scores = 0;    // float [B*Hq, nQB, nKB]
+  size_t mask = 0;      // uint8 [B*Hq, nQB, nKB] (mask predicted inside attention_run)
+  size_t kept = 0;      // int32 [B*Hq]
+  // CUDA backend only
+  size_t v_amax = 0;    // float [B*Hkv, D]
+  size_t q_i8 = 0;      // int8  [B*Hq, nQB*128, D]   (pad rows zero)
+  size_t q_scale = 0;   // float [B*Hq, nQB*128]     per-token dequant scale
+  size_t q_mu = 0;      // float [B*Hq, nQB*128]     scale * q . mean_k  (LSE shift)
+  size_t k_i8 = 0;      // int8  [B*Hkv, nKB*64, D]   (smoothed, pad rows zero)
+  size_t k_scale = 0;   // float [B*Hkv, nKB]        per-64-key-block dequant scale
+  size_t v_f8 = 0;      // fp8   [B*Hkv, D, nKB*64]   transposed, token-permuted
+  size_t v_b16 = 0;     // bf16/fp16 [B*Hkv, D, nKB*64] transposed (fp16 precision)
+  size_t idx = 0;       // int32 [B*Hq, nQB, nKB]    kept key blocks, ascending
+  size_t cnt = 0;       // int32 [B*Hq, nQB]
+  size_t order = 0;     // int32 [B*Hq*nQB]          work order, heaviest first
+};
+
+WorkspaceLayout plan_workspace(const Problem& p);
+
+template <class T>
+inline T* ws_ptr(void* base, size_t off) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + off);
+}
+
+}  // namespace sparge

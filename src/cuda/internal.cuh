@@ -1,0 +1,69 @@
+// Contracts between the CUDA backend's parts: the preparation kernels
+// (statistics, quantization, prediction, mask -> index lists) and the
+// attention kernel families. Layouts are those of core/problem.hpp's
+// WorkspaceLayout; semantics are docs/SEMANTICS.md.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/backend.hpp"
+#include "core/error.hpp"
+
+namespace sparge {
+namespace cuda {
+
+// Returns SPARGE_ERR_CUDA with the call site and CUDA's message when `e` fails.
+sparge_status_t cuda_status(cudaError_t e, const char* what);
+#define SPARGE_CUDA_TRY(call) SPARGE_TRY(::sparge::cuda::cuda_status((call), #call))
+// After a launch: checks the launch error (never synchronizes).
+#define SPARGE_LAUNCH_CHECK(name) SPARGE_TRY(::sparge::cuda::cuda_status(cudaGetLastError(), name))
+
+// Everything an attention kernel reads, resolved to pointers.
+struct AttnArgs {
+  Problem prob;
+  // INT8_FP8 operands (workspace)
+  const int8_t* q_i8 = nullptr;    // [B*Hq, nQB*128, D]
+  const float* q_scale = nullptr;  // [B*Hq, nQB*128]
+  const float* q_mu = nullptr;     // [B*Hq, nQB*128]  scale * q.mu (0 without smoothing)
+  const int8_t* k_i8 = nullptr;    // [B*Hkv, nKB*64, D]
+  const float* k_scale = nullptr;  // [B*Hkv, nKB]
+  const uint8_t* v_f8 = nullptr;   // [B*Hkv, D, nKB*64] e4m3, token-permuted in groups of 32
+  const float* v_amax = nullptr;   // [B*Hkv, D] per-channel max |v| (dequant: amax/448)
+  // FP16 operands (the inputs themselves)
+  Tensor4 q, k, v;
+  // sparsity (workspace)
+  const int32_t* idx = nullptr;    // [B*Hq, nQB, nKB] kept key blocks, ascending
+  const int32_t* cnt = nullptr;    // [B*Hq, nQB]
+  const int32_t* order = nullptr;  // [B*Hq*nQB] (bh*nQB + qb), heaviest rows first
+  // outputs
+  Tensor4 out;
+  LseView lse;                     // lse.data == nullptr: not wanted
+};
+
+// Token permutation used by v_f8 within each group of 32 keys: column kk of the
+// stored V^T holds key perm32(kk). It matches the register layout of the fp8
+// wgmma A operand to that of the int8 wgmma accumulator, so P needs no shuffles.
+__host__ __device__ __forceinline__ int perm32(int kk) {
+  const int hi = kk & 16, r = kk & 15, quad = r >> 2, i = r & 3;
+  return hi + ((i < 2) ? (2 * quad + i) : (8 + 2 * quad + (i - 2)));
+}
+
+// --- preparation (src/cuda/predict/) -------------------------------------
+// K column mean (when cfg.smooth_k), V column max|.| (when want_v), Q/K int8
+// quantization with pooled means and self-similarities, q_mu, and (want_v) the
+// fp8 V^T. Fills the corresponding workspace regions.
+sparge_status_t launch_prepare(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
+                               const PredictConfig& cfg, void* ws, cudaStream_t stream);
+// Pooled scores, softmax, selection, forced blocks -> uint8 mask (any strides) and kept counts.
+sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
+                              const KeptView* kept, void* ws, cudaStream_t stream);
+// Mask (any strides) -> idx/cnt/order in the workspace (causally invisible blocks dropped).
+sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, void* ws, cudaStream_t stream);
+
+// --- attention kernel families (src/cuda/attention/) ------------------------
+sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream);
+sparge_status_t launch_attention_fp16(const AttnArgs& a, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace sparge
