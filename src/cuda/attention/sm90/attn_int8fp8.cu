@@ -1,0 +1,387 @@
+// Hopper (sm_90a) block-sparse attention, INT8_FP8 precision.
+//
+// One CTA computes one 128-row query block of one (batch, head) over the key
+// blocks listed for it (idx/cnt). Three warpgroups:
+//   WG0  producer: one thread issues TMA loads of Q (once) and of each listed
+//        K tile (64 x D int8) and V^T tile (D x 64 fp8) into a ring of
+//        kStages shared-memory stages guarded by full/empty mbarriers;
+//   WG1, WG2  consumers, 64 query rows each:
+//        S = Q K^T   int8 wgmma m64n64k32 (IGMMA), s32 accumulators
+//        online softmax in base 2 on the dequantized scores
+//        P -> e4m3 in registers (the accumulator layout is reused as the A
+//             operand; V^T's token order is permuted to match, see perm32)
+//        O_tile = P V  fp8 wgmma m64nDk32 (QGMMA) into a fresh accumulator,
+//        O = O * alpha + O_tile in fp32 (two-level accumulation: the fp8
+//             tensor-core accumulator is not full fp32).
+// The two consumer warpgroups run out of phase, so one's softmax overlaps the
+// other's matrix products. Numerics follow docs/SEMANTICS.md (INT8_FP8).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "cuda/attention/sm90/sm90_primitives.cuh"
+#include "cuda/attention/sm90/wgmma_ops.cuh"
+#include "cuda/internal.cuh"
+
+namespace sparge {
+namespace cuda {
+namespace sm90 {
+namespace {
+
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kBQ = 128;  // query rows per CTA (= mask block rows)
+constexpr int kBK = 64;   // keys per tile (= mask block cols)
+
+template <int D>
+struct SmemLayout {
+  static constexpr int kQBytes = kBQ * D;
+  static constexpr int kKBytes = kBK * D;
+  static constexpr int kVBytes = D * kBK;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kQBytes;
+  static constexpr int kV = kK + kStages * kKBytes;
+  static constexpr int kBar = kV + kStages * kVBytes;
+  static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
+  static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
+};
+
+struct Params {
+  const float* q_scale;  // [BHq, nQB*128]
+  const float* q_mu;     // [BHq, nQB*128]
+  const float* k_scale;  // [BHkv, nKB]
+  const float* v_amax;   // [BHkv, D]
+  const int32_t* idx;
+  const int32_t* cnt;
+  const int32_t* order;
+  void* out;
+  int64_t out_stride[4];
+  float* lse;
+  int64_t lse_stride[3];
+  int Hq, group, Lq, Lkv, nQB, nKB;
+  float scale_log2;  // scale * log2(e)
+  int out_bf16;
+};
+
+template <int D, bool kCausal>
+__global__ void __launch_bounds__(kThreads, 1)
+    attn_int8fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                        const __grid_constant__ CUtensorMap tm_v, const Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = SmemLayout<D>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sq = smem + L::kQ;
+  uint8_t* sk = smem + L::kK;
+  uint8_t* sv = smem + L::kV;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  uint64_t* empty = full + kStages;
+  uint64_t* qbar = empty + kStages;
+
+  const int row_id = p.order[blockIdx.x];
+  const int bh = row_id / p.nQB;
+  const int qb = row_id - bh * p.nQB;
+  const int b = bh / p.Hq;
+  const int h = bh - b * p.Hq;
+  const int bhkv = b * (p.Hq / p.group) + h / p.group;
+  const int n_tiles = p.cnt[row_id];
+  const int32_t* tiles = p.idx + int64_t(row_id) * p.nKB;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 256);
+    }
+    mbar_init(qbar, 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  constexpr uint32_t kSwz = (D == 128) ? kSwizzle128B : kSwizzle64B;
+  constexpr uint32_t kSboQK = 8 * D;  // 8 rows of D int8 bytes
+  constexpr uint32_t kSboV = 8 * kBK; // 8 rows (channels) of 64 fp8 bytes
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ producer
+    regs_dealloc<40>();
+    if (threadIdx.x == 0 && n_tiles > 0) {
+      tma_prefetch_map(&tm_q);
+      tma_prefetch_map(&tm_k);
+      tma_prefetch_map(&tm_v);
+      mbar_arrive_expect_tx(qbar, L::kQBytes);
+      tma_load_2d(sq, &tm_q, qbar, 0, row_id * kBQ);
+      for (int t = 0; t < n_tiles; ++t) {
+        const int s = t % kStages;
+        if (t >= kStages) mbar_wait(&empty[s], ((t / kStages) - 1) & 1);
+        const int kb = tiles[t];
+        mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVBytes);
+        tma_load_2d(sk + s * L::kKBytes, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
+        tma_load_2d(sv + s * L::kVBytes, &tm_v, &full[s], kb * kBK, bhkv * D);
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------- consumers
+  regs_alloc<232>();
+  const int cw = wg - 1;  // consumer warpgroup: query rows [64*cw, 64*cw + 64)
+  const int tid = threadIdx.x - 128 * wg;
+  const int warp = tid / 32, lane = tid % 32;
+  const int quad = lane & 3;
+  const int r_local = cw * 64 + warp * 16 + (lane >> 2);  // and r_local + 8
+  const int64_t lq_pad = int64_t(p.nQB) * kBQ;
+  const int row0 = qb * kBQ + r_local;
+  const int row1 = row0 + 8;
+  const float qs0 = p.q_scale[int64_t(bh) * lq_pad + row0] * p.scale_log2;
+  const float qs1 = p.q_scale[int64_t(bh) * lq_pad + row1] * p.scale_log2;
+  const int diag = p.Lkv - p.Lq;  // key j visible to row i iff j <= i + diag
+  const int wg_row_min = qb * kBQ + cw * 64;
+
+  constexpr int NO = D / 2;  // O accumulator registers per thread (m64 x D)
+  float o[NO];
+#pragma unroll
+  for (int j = 0; j < NO; ++j) o[j] = 0.f;
+  float o_tile[NO];
+#pragma unroll
+  for (int j = 0; j < NO; ++j) o_tile[j] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  if (n_tiles > 0) mbar_wait(qbar, 0);
+  const uint64_t desc_q = make_smem_desc(sq + cw * 64 * D, kSwz, kSboQK);
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int s = t % kStages;
+    const int kb = tiles[t];
+    const float ks = p.k_scale[int64_t(bhkv) * p.nKB + kb];
+    mbar_wait(&full[s], (t / kStages) & 1);
+
+    // S = Q K^T  (int8, s32 accumulate)
+    int32_t acc[32];
+    const uint64_t desc_k = make_smem_desc(sk + s * L::kKBytes, kSwz, kSboQK);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) {
+      wgmma_m64n64k32_s8s8(acc, desc_q + uint64_t((kk * 32) >> 4), desc_k + uint64_t((kk * 32) >> 4), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+
+    // Dequantize into the base-2 logit domain. Register j of the accumulator:
+    // row (j & 2) ? row1 : row0, column 8*(j/4) + 2*quad + (j & 1).
+    const float f0 = qs0 * ks, f1 = qs1 * ks;
+    float sc[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) sc[j] = float(acc[j]) * ((j & 2) ? f1 : f0);
+    const int key0 = kb * kBK;
+    const bool need_mask = (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
+    if (need_mask) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int key = key0 + 8 * (j / 4) + 2 * quad + (j & 1);
+        const int row = (j & 2) ? row1 : row0;
+        bool ok = key < p.Lkv;
+        if (kCausal) ok = ok && (key <= row + diag);
+        if (!ok) sc[j] = -INFINITY;
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      if (j & 2) mx1 = fmaxf(mx1, sc[j]);
+      else mx0 = fmaxf(mx0, sc[j]);
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
+    const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
+    const float alpha0 = fast_exp2(m0 - mu0), alpha1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const float pj = fast_exp2(sc[j] - ((j & 2) ? mu1 : mu0));
+      sc[j] = pj * kFp8Max;
+      if (j & 2) rs1 += pj;
+      else rs0 += pj;
+    }
+    l0 = l0 * alpha0 + rs0;
+    l1 = l1 * alpha1 + rs1;
+
+    // P (e4m3) as the A operand: k-step ks covers tile columns [32ks, 32ks+32),
+    // i.e. accumulator chunks c = 4ks .. 4ks+3 (8 columns each).
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int ksp = 0; ksp < 2; ++ksp) {
+      const int c = 4 * ksp;
+      pa[ksp][0] = pack_e4m3x4(sc[c * 4 + 0], sc[c * 4 + 1], sc[(c + 1) * 4 + 0], sc[(c + 1) * 4 + 1]);
+      pa[ksp][1] = pack_e4m3x4(sc[c * 4 + 2], sc[c * 4 + 3], sc[(c + 1) * 4 + 2], sc[(c + 1) * 4 + 3]);
+      pa[ksp][2] = pack_e4m3x4(sc[(c + 2) * 4 + 0], sc[(c + 2) * 4 + 1], sc[(c + 3) * 4 + 0], sc[(c + 3) * 4 + 1]);
+      pa[ksp][3] = pack_e4m3x4(sc[(c + 2) * 4 + 2], sc[(c + 2) * 4 + 3], sc[(c + 3) * 4 + 2], sc[(c + 3) * 4 + 3]);
+    }
+
+    // O_tile = P V  (fp8, fresh accumulator)
+    const uint64_t desc_v = make_smem_desc(sv + s * L::kVBytes, kSwizzle64B, kSboV);
+    wgmma_fence();
+    if constexpr (D == 128) {
+      wgmma_m64n128k32_e4m3_rs(o_tile, pa[0], desc_v, 0);
+      wgmma_m64n128k32_e4m3_rs(o_tile, pa[1], desc_v + uint64_t(32 >> 4), 1);
+    } else {
+      wgmma_m64n64k32_e4m3_rs(o_tile, pa[0], desc_v, 0);
+      wgmma_m64n64k32_e4m3_rs(o_tile, pa[1], desc_v + uint64_t(32 >> 4), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o_tile);
+    mbar_arrive(&empty[s]);
+
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j] = fmaf(o[j], (j & 2) ? alpha1 : alpha0, o_tile[j]);
+  }
+
+  // -------------------------------------------------------------- epilogue
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
+  const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+  const float* vamax = p.v_amax + int64_t(bhkv) * D;
+  constexpr float kDequantPV = 1.f / (kFp8Max * kFp8Max);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = half ? row1 : row0;
+    if (row >= p.Lq) continue;
+    const float inv = half ? inv1 : inv0;
+    char* orow = static_cast<char*>(p.out) +
+                 2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] + int64_t(row) * p.out_stride[2]);
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+      const int col = 8 * c + 2 * quad;
+      const float x0 = o[c * 4 + 2 * half + 0] * (vamax[col] * kDequantPV) * inv;
+      const float x1 = o[c * 4 + 2 * half + 1] * (vamax[col + 1] * kDequantPV) * inv;
+      if (p.out_bf16) {
+        *reinterpret_cast<__nv_bfloat162*>(orow + 2 * col) = __floats2bfloat162_rn(x0, x1);
+      } else {
+        *reinterpret_cast<__half2*>(orow + 2 * col) = __floats2half2_rn(x0, x1);
+      }
+    }
+    if (p.lse != nullptr && quad == 0) {
+      const float l = half ? l1 : l0;
+      const float m = half ? m1 : m0;
+      const float mu = p.q_mu[int64_t(bh) * lq_pad + row];
+      const float v = (l > 0.f) ? (m * 0.69314718055994531f + logf(l) + mu) : -INFINITY;
+      p.lse[int64_t(b) * p.lse_stride[0] + int64_t(h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] = v;
+    }
+  }
+#endif
+}
+
+// ------------------------------------------------------------------ host side
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+sparge_status_t get_encode_fn(EncodeTiledFn* fn) {
+  static EncodeTiledFn cached = nullptr;
+  static cudaError_t err = cudaSuccess;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
+    if (err == cudaSuccess && q == cudaDriverEntryPointSuccess) cached = reinterpret_cast<EncodeTiledFn>(ptr);
+  });
+  if (cached == nullptr) {
+    return fail(SPARGE_ERR_CUDA, "cuTensorMapEncodeTiled is not available from the CUDA driver (%s)",
+                cudaGetErrorString(err));
+  }
+  *fn = cached;
+  return SPARGE_OK;
+}
+
+// A 2-D uint8 tensor map: `rows` rows of `row_bytes` bytes, box = box_cols x box_rows.
+sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, uint64_t row_bytes, uint64_t rows,
+                         uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swz, const char* what) {
+  const cuuint64_t dims[2] = {row_bytes, rows};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t estr[2] = {1, 1};
+  CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, estr,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return fail(SPARGE_ERR_CUDA, "cuTensorMapEncodeTiled(%s) failed with CUresult %d", what, int(r));
+  return SPARGE_OK;
+}
+
+template <int D, bool kCausal>
+sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream) {
+  using L = SmemLayout<D>;
+  EncodeTiledFn enc = nullptr;
+  SPARGE_TRY(get_encode_fn(&enc));
+  const Problem& pb = a.prob;
+  const uint64_t bhq = uint64_t(pb.B * pb.Hq), bhk = uint64_t(pb.B * pb.Hkv);
+  const CUtensorMapSwizzle swz = (D == 128) ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  CUtensorMap tq, tk, tv;
+  SPARGE_TRY(make_map(enc, &tq, a.q_i8, D, bhq * pb.nQB * kBQ, D, kBQ, swz, "q"));
+  SPARGE_TRY(make_map(enc, &tk, a.k_i8, D, bhk * pb.nKB * kBK, D, kBK, swz, "k"));
+  SPARGE_TRY(make_map(enc, &tv, a.v_f8, uint64_t(pb.nKB) * kBK, bhk * D, kBK, D, CU_TENSOR_MAP_SWIZZLE_64B, "v"));
+  auto kernel = attn_int8fp8_kernel<D, kCausal>;
+  SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
+  const unsigned grid = static_cast<unsigned>(bhq * pb.nQB);
+  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, prm);
+  SPARGE_LAUNCH_CHECK("attn_int8fp8_kernel");
+  return SPARGE_OK;
+}
+
+}  // namespace
+}  // namespace sm90
+
+sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream) {
+  const Problem& pb = a.prob;
+  if (pb.D != 64 && pb.D != 128)
+    return fail(SPARGE_ERR_UNSUPPORTED, "head_dim: the sm_90 INT8_FP8 kernel supports 64 and 128, got %lld",
+                static_cast<long long>(pb.D));
+  if (pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK)
+    return fail(SPARGE_ERR_UNSUPPORTED, "block size: the CUDA kernels use 128x64 mask blocks");
+  const int64_t rows = pb.B * pb.Hq * pb.nQB;
+  if (rows * kGpuBlockQ >= (int64_t(1) << 31) || pb.B * pb.Hkv * pb.nKB * kGpuBlockK >= (int64_t(1) << 31) ||
+      pb.B * pb.Hkv * pb.D >= (int64_t(1) << 31))
+    return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for 32-bit tile coordinates (B*H*L >= 2^31)");
+  if (rows == 0) return SPARGE_OK;
+  sm90::Params prm{};
+  prm.q_scale = a.q_scale;
+  prm.q_mu = a.q_mu;
+  prm.k_scale = a.k_scale;
+  prm.v_amax = a.v_amax;
+  prm.idx = a.idx;
+  prm.cnt = a.cnt;
+  prm.order = a.order;
+  prm.out = a.out.data;
+  for (int i = 0; i < 4; ++i) prm.out_stride[i] = a.out.stride[i];
+  prm.lse = a.lse.data;
+  for (int i = 0; i < 3; ++i) prm.lse_stride[i] = a.lse.stride[i];
+  prm.Hq = static_cast<int>(pb.Hq);
+  prm.group = static_cast<int>(pb.Hq / pb.Hkv);
+  prm.Lq = static_cast<int>(pb.Lq);
+  prm.Lkv = static_cast<int>(pb.Lkv);
+  prm.nQB = static_cast<int>(pb.nQB);
+  prm.nKB = static_cast<int>(pb.nKB);
+  prm.scale_log2 = pb.scale * kLog2e;
+  prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
+  if (pb.D == 128) {
+    return pb.causal ? sm90::launch<128, true>(a, prm, stream) : sm90::launch<128, false>(a, prm, stream);
+  }
+  return pb.causal ? sm90::launch<64, true>(a, prm, stream) : sm90::launch<64, false>(a, prm, stream);
+}
+
+}  // namespace cuda
+}  // namespace sparge
