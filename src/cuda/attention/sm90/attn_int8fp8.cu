@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float f0 = qs0 * ks, f1 = qs1 * ks;
     float sc[32];
 #pragma unroll
-    for (int j = 0; j < 32; ++j) sc[j] = float(acc[j]) * ((j & 2) ? f1 : f0);
+    for (int j = 0; j < 32; ++j) sc[j] = small_int_to_float(acc[j]) * ((j & 2) ? f1 : f0);
     const int key0 = kb * kBK;
     const bool need_mask = (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
     if (need_mask) {
