@@ -21,6 +21,9 @@ constexpr int kGpuBlockK = 64;
 // fp8 e4m3 largest finite value; P is stored as p * kP8Scale, V per channel as v / (amax / kP8Scale).
 constexpr float kFp8Max = 448.0f;
 constexpr float kLog2e = 1.4426950408889634f;
+// CUDA column statistics (K mean, V max|.|) are reduced in two levels: per-chunk
+// partials of this many keys, then one finalize pass (deterministic order).
+constexpr int kGpuColChunk = 512;
 
 struct Problem {
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lkv = 0, D = 0;
@@ -132,6 +135,8 @@ struct WorkspaceLayout {
   size_t idx = 0;       // int32 [B*Hq, nQB, nKB]    kept key blocks, ascending
   size_t cnt = 0;       // int32 [B*Hq, nQB]
   size_t order = 0;     // int32 [B*Hq*nQB]          work order, heaviest first
+  size_t col_part = 0;  // double [B*Hkv, nChunk, D] K column sums, then float [B*Hkv, nChunk, D]
+                        // V column max|.|; nChunk = ceil(Lkv / kGpuColChunk)
 };
 
 WorkspaceLayout plan_workspace(const Problem& p);

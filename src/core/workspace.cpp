@@ -39,6 +39,8 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     w.idx = a.take(bhq * nQB * nKB * sizeof(int32_t));
     w.cnt = a.take(bhq * nQB * sizeof(int32_t));
     w.order = a.take(bhq * nQB * sizeof(int32_t));
+    const size_t nchunk = (size_t(p.Lkv) + kGpuColChunk - 1) / kGpuColChunk;
+    w.col_part = a.take(bhk * nchunk * D * (sizeof(double) + sizeof(float)));
     if (p.precision == SPARGE_PRECISION_INT8_FP8) {
       w.q_i8 = a.take(bhq * lq * D);
       w.k_i8 = a.take(bhk * lk * D);
