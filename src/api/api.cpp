@@ -1,0 +1,207 @@
+// The C entry points of sparge.h: validation, handles, dispatch. No math.
+#include <cinttypes>
+#include <exception>
+#include <new>
+
+#include "api/validate.hpp"
+#include "core/backend.hpp"
+#include "core/error.hpp"
+
+using namespace sparge;
+
+namespace {
+
+// Runs `body` so that no C++ exception crosses the C ABI; success clears the
+// thread-local message.
+template <class F>
+sparge_status_t guarded(const char* fn, F&& body) {
+  try {
+    const sparge_status_t st = body();
+    if (st == SPARGE_OK) clear_error();
+    return st;
+  } catch (const std::bad_alloc&) {
+    return fail(SPARGE_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  } catch (const std::exception& e) {
+    return fail(SPARGE_ERR_INTERNAL, "%s: internal error: %s", fn, e.what());
+  } catch (...) {
+    return fail(SPARGE_ERR_INTERNAL, "%s: internal error (unknown exception)", fn);
+  }
+}
+
+sparge_status_t check_plan(sparge_plan_t plan) {
+  if (!plan) return fail(SPARGE_ERR_INVALID_ARGUMENT, "plan is NULL, expected a plan from sparge_create_plan");
+  return SPARGE_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, sparge_plan_t* out) {
+  return guarded("sparge_create_plan", [&]() -> sparge_status_t {
+    if (!out) return fail(SPARGE_ERR_INVALID_ARGUMENT, "out is NULL, expected a pointer to receive the plan");
+    *out = nullptr;
+    if (!problem) return fail(SPARGE_ERR_INVALID_ARGUMENT, "problem is NULL, expected a sparge_problem_t");
+    Problem p;
+    SPARGE_TRY(api::resolve_problem(*problem, &p));
+    int sm = 0;
+    if (p.device == SPARGE_DEVICE_CUDA) {
+      if (!cuda::built())
+        return fail(SPARGE_ERR_NO_DEVICE,
+                    "problem->device_type is CUDA but libsparge was built without CUDA (sparge_has_cuda() == 0)");
+      SPARGE_TRY(cuda::check_device(p, &sm));
+    }
+    sparge_plan* plan = new sparge_plan;
+    plan->prob = p;
+    plan->ws = plan_workspace(p);
+    plan->sm_version = sm;
+    *out = plan;
+    return SPARGE_OK;
+  });
+}
+
+SPARGE_API sparge_status_t sparge_plan_workspace_size(sparge_plan_t plan, size_t* bytes) {
+  return guarded("sparge_plan_workspace_size", [&]() -> sparge_status_t {
+    SPARGE_TRY(check_plan(plan));
+    if (!bytes) return fail(SPARGE_ERR_INVALID_ARGUMENT, "bytes is NULL, expected a pointer to a size_t");
+    *bytes = plan->ws.total;
+    return SPARGE_OK;
+  });
+}
+
+SPARGE_API sparge_status_t sparge_plan_get_problem(sparge_plan_t plan, sparge_problem_t* problem) {
+  return guarded("sparge_plan_get_problem", [&]() -> sparge_status_t {
+    SPARGE_TRY(check_plan(plan));
+    if (!problem) return fail(SPARGE_ERR_INVALID_ARGUMENT, "problem is NULL, expected a sparge_problem_t to fill");
+    if (problem->struct_size < sizeof(sparge_problem_t))
+      return fail(SPARGE_ERR_INVALID_ARGUMENT,
+                  "problem->struct_size is %zu, expected >= %zu (sizeof(sparge_problem_t); use SPARGE_PROBLEM_INIT)",
+                  problem->struct_size, sizeof(sparge_problem_t));
+    const Problem& p = plan->prob;
+    sparge_problem_t r = SPARGE_PROBLEM_INIT;
+    r.batch = p.B;
+    r.heads_q = p.Hq;
+    r.heads_kv = p.Hkv;
+    r.len_q = p.Lq;
+    r.len_kv = p.Lkv;
+    r.head_dim = p.D;
+    r.dtype = p.dtype;
+    r.device_type = p.device;
+    r.device_id = p.device_id;
+    r.precision = p.precision;
+    r.causal = p.causal ? 1 : 0;
+    r.scale = p.scale;
+    r.block_q = p.BQ;
+    r.block_k = p.BK;
+    *problem = r;
+    return SPARGE_OK;
+  });
+}
+
+SPARGE_API sparge_status_t sparge_plan_visible_blocks(sparge_plan_t plan, int64_t* visible_per_head) {
+  return guarded("sparge_plan_visible_blocks", [&]() -> sparge_status_t {
+    SPARGE_TRY(check_plan(plan));
+    if (!visible_per_head)
+      return fail(SPARGE_ERR_INVALID_ARGUMENT, "visible_per_head is NULL, expected a pointer to an int64_t");
+    const Problem& p = plan->prob;
+    int64_t total = 0;
+    if (!p.causal) {
+      total = p.nQB * p.nKB;  // fits: checked in sparge_create_plan
+    } else {
+      for (int64_t qb = 0; qb < p.nQB; ++qb) total += visible_key_blocks(p, qb);
+    }
+    *visible_per_head = total;
+    return SPARGE_OK;
+  });
+}
+
+SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_tensor_t* q,
+                                               const sparge_tensor_t* k, const sparge_predict_params_t* params,
+                                               const sparge_tensor_t* mask_out, const sparge_tensor_t* kept_out,
+                                               void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded("sparge_predict_mask", [&]() -> sparge_status_t {
+    SPARGE_TRY(check_plan(plan));
+    const Plan& pl = *plan;
+    SPARGE_TRY(api::check_tensor(pl, q, api::spec_q(pl, "q")));
+    SPARGE_TRY(api::check_tensor(pl, k, api::spec_kv(pl, "k")));
+    PredictConfig cfg;
+    SPARGE_TRY(api::read_params(pl, params, &cfg));
+    SPARGE_TRY(api::check_tensor(pl, mask_out, api::spec_mask(pl, "mask_out")));
+    if (kept_out) SPARGE_TRY(api::check_tensor(pl, kept_out, api::spec_kept(pl, "kept_out")));
+    SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
+
+    const Tensor4 tq = api::to_tensor4(*q), tk = api::to_tensor4(*k);
+    const MaskView m = api::to_mask(*mask_out);
+    KeptView kv;
+    if (kept_out) kv = api::to_kept(*kept_out);
+    const KeptView* kp = kept_out ? &kv : nullptr;
+    if (pl.prob.device == SPARGE_DEVICE_CUDA) return cuda::predict(pl, tq, tk, cfg, m, kp, workspace, stream);
+    return cpu::predict(pl, tq, tk, cfg, m, kp, workspace);
+  });
+}
+
+SPARGE_API sparge_status_t sparge_attention_run(sparge_plan_t plan, const sparge_tensor_t* q,
+                                                const sparge_tensor_t* k, const sparge_tensor_t* v,
+                                                const sparge_tensor_t* mask, const sparge_predict_params_t* params,
+                                                const sparge_tensor_t* out, const sparge_tensor_t* lse,
+                                                void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded("sparge_attention_run", [&]() -> sparge_status_t {
+    SPARGE_TRY(check_plan(plan));
+    const Plan& pl = *plan;
+    SPARGE_TRY(api::check_tensor(pl, q, api::spec_q(pl, "q")));
+    SPARGE_TRY(api::check_tensor(pl, k, api::spec_kv(pl, "k")));
+    SPARGE_TRY(api::check_tensor(pl, v, api::spec_kv(pl, "v")));
+    if (mask) SPARGE_TRY(api::check_tensor(pl, mask, api::spec_mask(pl, "mask")));
+    PredictConfig cfg;
+    SPARGE_TRY(api::read_params(pl, params, &cfg));
+    SPARGE_TRY(api::check_tensor(pl, out, api::spec_q(pl, "out")));
+    if (lse) SPARGE_TRY(api::check_tensor(pl, lse, api::spec_lse(pl, "lse")));
+    SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
+
+    const Tensor4 tq = api::to_tensor4(*q), tk = api::to_tensor4(*k), tv = api::to_tensor4(*v),
+                  to = api::to_tensor4(*out);
+    MaskView m;
+    if (mask) m = api::to_mask(*mask);
+    const MaskView* mp = mask ? &m : nullptr;
+    LseView lv;
+    if (lse) lv = api::to_lse(*lse);
+    const LseView* lp = lse ? &lv : nullptr;
+    if (pl.prob.device == SPARGE_DEVICE_CUDA)
+      return cuda::attention(pl, tq, tk, tv, mp, cfg, to, lp, workspace, stream);
+    return cpu::attention(pl, tq, tk, tv, mp, cfg, to, lp, workspace);
+  });
+}
+
+SPARGE_API void sparge_destroy_plan(sparge_plan_t plan) { delete plan; }
+
+SPARGE_API const char* sparge_last_error(void) {
+  try {
+    return last_error_text();
+  } catch (...) {
+    return "";
+  }
+}
+
+SPARGE_API const char* sparge_status_string(sparge_status_t status) {
+  switch (status) {
+    case SPARGE_OK: return "SPARGE_OK";
+    case SPARGE_ERR_INVALID_ARGUMENT: return "SPARGE_ERR_INVALID_ARGUMENT";
+    case SPARGE_ERR_UNSUPPORTED: return "SPARGE_ERR_UNSUPPORTED";
+    case SPARGE_ERR_WORKSPACE_TOO_SMALL: return "SPARGE_ERR_WORKSPACE_TOO_SMALL";
+    case SPARGE_ERR_NO_DEVICE: return "SPARGE_ERR_NO_DEVICE";
+    case SPARGE_ERR_CUDA: return "SPARGE_ERR_CUDA";
+    case SPARGE_ERR_OUT_OF_MEMORY: return "SPARGE_ERR_OUT_OF_MEMORY";
+    case SPARGE_ERR_INTERNAL: return "SPARGE_ERR_INTERNAL";
+  }
+  return "SPARGE_ERR_UNKNOWN (unrecognized status value)";
+}
+
+SPARGE_API void sparge_version(int* major, int* minor, int* patch) {
+  if (major) *major = SPARGE_VERSION_MAJOR;
+  if (minor) *minor = SPARGE_VERSION_MINOR;
+  if (patch) *patch = SPARGE_VERSION_PATCH;
+}
+
+SPARGE_API int sparge_has_cuda(void) { return cuda::built() ? 1 : 0; }
+
+}  // extern "C"

@@ -1,0 +1,35 @@
+// The cuda:: backend entry points of a build without the CUDA backend.
+// (This directory is globbed into every build; the guard keeps this file empty
+// when the real backend in src/cuda/ is compiled.)
+#if !defined(SPARGE_WITH_CUDA)
+
+#include "core/backend.hpp"
+#include "core/error.hpp"
+
+namespace sparge {
+namespace cuda {
+namespace {
+sparge_status_t absent() {
+  return fail(SPARGE_ERR_NO_DEVICE, "libsparge was built without CUDA: no CUDA backend in this build");
+}
+}  // namespace
+
+bool built() { return false; }
+sparge_status_t check_device(const Problem&, int* sm_version) {
+  if (sm_version) *sm_version = 0;
+  return absent();
+}
+sparge_status_t pointer_on_device(const void*, int, const char*) { return absent(); }
+sparge_status_t predict(const Plan&, const Tensor4&, const Tensor4&, const PredictConfig&, const MaskView&,
+                        const KeptView*, void*, void*) {
+  return absent();
+}
+sparge_status_t attention(const Plan&, const Tensor4&, const Tensor4&, const Tensor4&, const MaskView*,
+                          const PredictConfig&, const Tensor4&, const LseView*, void*, void*) {
+  return absent();
+}
+
+}  // namespace cuda
+}  // namespace sparge
+
+#endif  // !SPARGE_WITH_CUDA

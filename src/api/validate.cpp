@@ -1,0 +1,356 @@
+#include "api/validate.hpp"
+
+#include <cinttypes>
+#include <cmath>
+#include <initializer_list>
+
+namespace sparge {
+namespace api {
+namespace {
+
+constexpr uint64_t kMaxBytes = uint64_t(INT64_MAX);
+
+// Product of non-negative factors; false when it exceeds INT64_MAX.
+bool checked_product(std::initializer_list<uint64_t> factors, uint64_t* out) {
+  uint64_t r = 1;
+  for (uint64_t f : factors) {
+    if (__builtin_mul_overflow(r, f, &r)) return false;
+  }
+  if (r > kMaxBytes) return false;
+  *out = r;
+  return true;
+}
+
+// Mirrors the bump allocation of plan_workspace with overflow checks.
+struct CheckedBump {
+  uint64_t top = 0;
+  bool ok = true;
+  void take(std::initializer_list<uint64_t> factors) {
+    uint64_t bytes = 0;
+    if (!checked_product(factors, &bytes)) {
+      ok = false;
+      return;
+    }
+    if (__builtin_add_overflow(top, bytes + 255u, &top) || top > kMaxBytes) ok = false;
+  }
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+bool is_attention_dtype(int dt) {
+  return dt == SPARGE_DTYPE_FLOAT16 || dt == SPARGE_DTYPE_BFLOAT16 || dt == SPARGE_DTYPE_FLOAT32;
+}
+
+}  // namespace
+
+const char* dtype_name(int dtype) {
+  switch (dtype) {
+    case SPARGE_DTYPE_FLOAT16: return "FLOAT16";
+    case SPARGE_DTYPE_BFLOAT16: return "BFLOAT16";
+    case SPARGE_DTYPE_FLOAT32: return "FLOAT32";
+    case SPARGE_DTYPE_UINT8: return "UINT8";
+    case SPARGE_DTYPE_INT32: return "INT32";
+    default: return "unknown dtype";
+  }
+}
+
+const char* device_name(int device) {
+  switch (device) {
+    case SPARGE_DEVICE_CPU: return "CPU";
+    case SPARGE_DEVICE_CUDA: return "CUDA";
+    default: return "unknown device";
+  }
+}
+
+size_t dtype_size(sparge_dtype_t dtype) {
+  switch (dtype) {
+    case SPARGE_DTYPE_FLOAT16:
+    case SPARGE_DTYPE_BFLOAT16: return 2;
+    case SPARGE_DTYPE_UINT8: return 1;
+    default: return 4;
+  }
+}
+
+sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
+  const sparge_status_t INV = SPARGE_ERR_INVALID_ARGUMENT, UNS = SPARGE_ERR_UNSUPPORTED;
+  if (in.struct_size < sizeof(sparge_problem_t))
+    return fail(INV, "problem->struct_size is %zu, expected >= %zu (sizeof(sparge_problem_t); use SPARGE_PROBLEM_INIT)",
+                in.struct_size, sizeof(sparge_problem_t));
+  const struct {
+    const char* name;
+    int64_t v;
+  } sizes[] = {{"batch", in.batch},     {"heads_q", in.heads_q}, {"heads_kv", in.heads_kv},
+               {"len_q", in.len_q},     {"len_kv", in.len_kv},   {"head_dim", in.head_dim}};
+  for (const auto& s : sizes)
+    if (s.v < 1) return fail(INV, "problem->%s is %" PRId64 ", expected >= 1", s.name, s.v);
+  if (in.heads_q % in.heads_kv != 0)
+    return fail(INV, "problem->heads_q (%" PRId64 ") must be a multiple of problem->heads_kv (%" PRId64 ")",
+                in.heads_q, in.heads_kv);
+  if (in.device_type != SPARGE_DEVICE_CPU && in.device_type != SPARGE_DEVICE_CUDA)
+    return fail(INV, "problem->device_type is %d, expected SPARGE_DEVICE_CPU (0) or SPARGE_DEVICE_CUDA (1)",
+                int(in.device_type));
+  const bool gpu = in.device_type == SPARGE_DEVICE_CUDA;
+  if (in.device_id < 0) return fail(INV, "problem->device_id is %d, expected >= 0", int(in.device_id));
+  if (!is_attention_dtype(int(in.dtype)))
+    return fail(INV, "problem->dtype is %s (%d), expected FLOAT16, BFLOAT16 or FLOAT32", dtype_name(int(in.dtype)),
+                int(in.dtype));
+  if (gpu && in.dtype == SPARGE_DTYPE_FLOAT32)
+    return fail(UNS, "problem->dtype is FLOAT32: CUDA plans support FLOAT16 or BFLOAT16");
+  if (in.precision != SPARGE_PRECISION_INT8_FP8 && in.precision != SPARGE_PRECISION_FP16 &&
+      in.precision != SPARGE_PRECISION_EXACT)
+    return fail(INV, "problem->precision is %d, expected INT8_FP8 (0), FP16 (1) or EXACT (2)", int(in.precision));
+  if (gpu && in.precision == SPARGE_PRECISION_EXACT)
+    return fail(UNS, "problem->precision is EXACT: CUDA plans support INT8_FP8 or FP16 (EXACT is CPU only)");
+  if (gpu && in.head_dim != 64 && in.head_dim != 128)
+    return fail(UNS, "problem->head_dim is %" PRId64 ": CUDA plans support 64 or 128", in.head_dim);
+  if (!gpu && in.head_dim > 256)
+    return fail(UNS, "problem->head_dim is %" PRId64 ": CPU plans support 1..256", in.head_dim);
+  if (!std::isfinite(in.scale) || in.scale < 0.0f)
+    return fail(INV, "problem->scale is %g, expected a finite value >= 0 (0 means 1/sqrt(head_dim))",
+                double(in.scale));
+  const struct {
+    const char* name;
+    int32_t v;
+    int32_t dflt;
+  } blocks[] = {{"block_q", in.block_q, kGpuBlockQ}, {"block_k", in.block_k, kGpuBlockK}};
+  for (const auto& bl : blocks) {
+    if (bl.v < 0) return fail(INV, "problem->%s is %d, expected 0 (default %d) or a positive size", bl.name, bl.v, bl.dflt);
+    const int32_t r = bl.v == 0 ? bl.dflt : bl.v;
+    if (gpu && r != bl.dflt)
+      return fail(UNS, "problem->%s is %d: CUDA plans support only %d (or 0 for the default)", bl.name, bl.v, bl.dflt);
+    if (!gpu && r > 1024) return fail(UNS, "problem->%s is %d: CPU plans support 1..1024", bl.name, bl.v);
+  }
+
+  Problem p;
+  p.B = in.batch;
+  p.Hq = in.heads_q;
+  p.Hkv = in.heads_kv;
+  p.Lq = in.len_q;
+  p.Lkv = in.len_kv;
+  p.D = in.head_dim;
+  p.dtype = in.dtype;
+  p.device = in.device_type;
+  p.device_id = in.device_id;
+  p.precision = in.precision;
+  p.causal = in.causal != 0;
+  p.scale = in.scale == 0.0f ? float(1.0 / std::sqrt(double(in.head_dim))) : in.scale;
+  p.BQ = in.block_q == 0 ? kGpuBlockQ : in.block_q;
+  p.BK = in.block_k == 0 ? kGpuBlockK : in.block_k;
+  p.nQB = ceil_div(p.Lq, p.BQ);
+  p.nKB = ceil_div(p.Lkv, p.BK);
+
+  // Every byte count derived from the problem must fit in 64 bits.
+  const uint64_t B = uint64_t(p.B), Hq = uint64_t(p.Hq), Hkv = uint64_t(p.Hkv), Lq = uint64_t(p.Lq),
+                 Lkv = uint64_t(p.Lkv), D = uint64_t(p.D), nQB = uint64_t(p.nQB), nKB = uint64_t(p.nKB);
+  const uint64_t es = dtype_size(p.dtype);
+  uint64_t tmp = 0;
+  bool ok = checked_product({B, Hq, Lq, D, es}, &tmp) && checked_product({B, Hkv, Lkv, D, es}, &tmp) &&
+            checked_product({B, Hq, nQB, nKB}, &tmp) && checked_product({B, Hq, Lq, 4}, &tmp) &&
+            checked_product({nQB, uint64_t(p.BQ)}, &tmp) && checked_product({nKB, uint64_t(p.BK)}, &tmp);
+  CheckedBump w;
+  w.take({1});
+  w.take({B, Hkv, D, 4});          // k_mean
+  w.take({B, Hq, nQB, D, 4});      // pooled_q
+  w.take({B, Hq, nQB, 4});         // sim_q
+  w.take({B, Hkv, nKB, D, 4});     // pooled_k
+  w.take({B, Hkv, nKB, 4});        // sim_k
+  w.take({B, Hq, nQB, nKB, 4});    // scores
+  w.take({B, Hq, nQB, nKB});       // mask
+  w.take({B, Hq, 4});              // kept
+  if (gpu) {
+    const uint64_t lq = nQB * uint64_t(kGpuBlockQ), lk = nKB * uint64_t(kGpuBlockK);
+    ok = ok && checked_product({nQB, uint64_t(kGpuBlockQ)}, &tmp) && checked_product({nKB, uint64_t(kGpuBlockK)}, &tmp);
+    if (ok) {
+      w.take({B, Hkv, D, 4});        // v_amax
+      w.take({B, Hq, lq, 4});        // q_scale
+      w.take({B, Hq, lq, 4});        // q_mu
+      w.take({B, Hkv, nKB, 4});      // k_scale
+      w.take({B, Hq, nQB, nKB, 4});  // idx
+      w.take({B, Hq, nQB, 4});       // cnt
+      w.take({B, Hq, nQB, 4});       // order
+      w.take({B, Hq, lq, D});        // q_i8
+      w.take({B, Hkv, lk, D});       // k_i8
+      w.take({B, Hkv, D, lk});       // v_f8
+      w.take({B, Hkv, D, lk, 2});    // v_b16
+    }
+  }
+  if (!ok || !w.ok)
+    return fail(INV,
+                "problem sizes overflow 64-bit byte counts (batch=%" PRId64 ", heads_q=%" PRId64 ", heads_kv=%" PRId64
+                ", len_q=%" PRId64 ", len_kv=%" PRId64 ", head_dim=%" PRId64 ")",
+                p.B, p.Hq, p.Hkv, p.Lq, p.Lkv, p.D);
+  *out = p;
+  return SPARGE_OK;
+}
+
+// ---------------------------------------------------------------- tensors
+TensorSpec spec_q(const Plan& plan, const char* name) {
+  const Problem& p = plan.prob;
+  return TensorSpec{name, p.dtype, 4, {p.B, p.Hq, p.Lq, p.D}, {"B", "Hq", "Lq", "D"}, true};
+}
+TensorSpec spec_kv(const Plan& plan, const char* name) {
+  const Problem& p = plan.prob;
+  return TensorSpec{name, p.dtype, 4, {p.B, p.Hkv, p.Lkv, p.D}, {"B", "Hkv", "Lkv", "D"}, true};
+}
+TensorSpec spec_mask(const Plan& plan, const char* name) {
+  const Problem& p = plan.prob;
+  return TensorSpec{name, SPARGE_DTYPE_UINT8, 4, {p.B, p.Hq, p.nQB, p.nKB}, {"B", "Hq", "nQB", "nKB"}, false};
+}
+TensorSpec spec_lse(const Plan& plan, const char* name) {
+  const Problem& p = plan.prob;
+  return TensorSpec{name, SPARGE_DTYPE_FLOAT32, 3, {p.B, p.Hq, p.Lq, 0}, {"B", "Hq", "Lq", ""}, false};
+}
+TensorSpec spec_kept(const Plan& plan, const char* name) {
+  const Problem& p = plan.prob;
+  return TensorSpec{name, SPARGE_DTYPE_INT32, 2, {p.B, p.Hq, 0, 0}, {"B", "Hq", "", ""}, false};
+}
+
+sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const TensorSpec& s) {
+  const sparge_status_t INV = SPARGE_ERR_INVALID_ARGUMENT;
+  const Problem& p = plan.prob;
+  if (!t) return fail(INV, "%s is NULL, expected a tensor descriptor", s.name);
+  if (!t->data) return fail(INV, "%s->data is NULL, expected a pointer to %s memory", s.name, device_name(p.device));
+  if (t->device_type != p.device)
+    return fail(INV, "%s->device_type is %s, expected %s (the plan's device)", s.name, device_name(int(t->device_type)),
+                device_name(p.device));
+  if (t->device_id != p.device_id)
+    return fail(INV, "%s->device_id is %d, expected %d (the plan's device_id)", s.name, int(t->device_id), p.device_id);
+  if (t->dtype != s.dtype)
+    return fail(INV, "%s->dtype is %s, expected %s", s.name, dtype_name(int(t->dtype)), dtype_name(s.dtype));
+  if (t->ndim != s.ndim) return fail(INV, "%s->ndim is %d, expected %d", s.name, int(t->ndim), s.ndim);
+  for (int d = 0; d < s.ndim; ++d)
+    if (t->shape[d] != s.shape[d])
+      return fail(INV, "%s->shape[%d] is %" PRId64 ", expected %" PRId64 " (%s of the plan)", s.name, d, t->shape[d],
+                  s.shape[d], s.dim_names[d]);
+  uint64_t last = 0;  // largest element offset
+  for (int d = 0; d < s.ndim; ++d) {
+    const int64_t st = t->strides[d];
+    if (st < 0) return fail(INV, "%s->strides[%d] is %" PRId64 ", expected >= 1 (negative strides are not supported)",
+                            s.name, d, st);
+    if (s.unit_last && d == s.ndim - 1 && st != 1)
+      return fail(INV, "%s->strides[%d] is %" PRId64 ", expected 1 (the head dimension must be contiguous)", s.name, d,
+                  st);
+    if (st == 0 && t->shape[d] > 1)
+      return fail(INV, "%s->strides[%d] is 0, expected >= 1 (dimension %d has extent %" PRId64 ")", s.name, d, d,
+                  t->shape[d]);
+    uint64_t term = 0;
+    if (__builtin_mul_overflow(uint64_t(t->shape[d] - 1), uint64_t(st), &term) ||
+        __builtin_add_overflow(last, term, &last) || last > kMaxBytes)
+      return fail(INV, "%s: the extent given by its shape and strides overflows 64 bits", s.name);
+  }
+  uint64_t bytes = 0;
+  if (!checked_product({last + 1, uint64_t(dtype_size(s.dtype))}, &bytes))
+    return fail(INV, "%s: the extent given by its shape and strides overflows 64 bits", s.name);
+  if (p.device == SPARGE_DEVICE_CUDA) SPARGE_TRY(cuda::pointer_on_device(t->data, p.device_id, s.name));
+  return SPARGE_OK;
+}
+
+Tensor4 to_tensor4(const sparge_tensor_t& t) {
+  Tensor4 r;
+  r.data = t.data;
+  r.dtype = t.dtype;
+  for (int d = 0; d < 4; ++d) {
+    r.shape[d] = t.shape[d];
+    r.stride[d] = t.strides[d];
+  }
+  return r;
+}
+
+MaskView to_mask(const sparge_tensor_t& t) {
+  MaskView m;
+  m.data = static_cast<uint8_t*>(t.data);
+  for (int d = 0; d < 4; ++d) m.stride[d] = t.strides[d];
+  return m;
+}
+
+LseView to_lse(const sparge_tensor_t& t) {
+  LseView l;
+  l.data = static_cast<float*>(t.data);
+  for (int d = 0; d < 3; ++d) l.stride[d] = t.strides[d];
+  return l;
+}
+
+KeptView to_kept(const sparge_tensor_t& t) {
+  KeptView k;
+  k.data = static_cast<int32_t*>(t.data);
+  k.stride[0] = t.strides[0];
+  k.stride[1] = t.strides[1];
+  return k;
+}
+
+// ---------------------------------------------------------------- params
+namespace {
+bool in_unit_interval(float x) { return x > 0.0f && x <= 1.0f; }  // false for NaN
+
+sparge_status_t check_per_head(const Plan& plan, const float* arr, const char* name, bool unit_interval) {
+  if (!arr) return SPARGE_OK;
+  const Problem& p = plan.prob;
+  if (p.device == SPARGE_DEVICE_CUDA) return cuda::pointer_on_device(arr, p.device_id, name);
+  for (int64_t h = 0; h < p.Hq; ++h) {
+    const float x = arr[h];
+    if (unit_interval ? !in_unit_interval(x) : std::isnan(x))
+      return fail(SPARGE_ERR_INVALID_ARGUMENT, "params->%s[%" PRId64 "] is %g, expected %s", name, h, double(x),
+                  unit_interval ? "a value in (0, 1]" : "a number (not NaN)");
+  }
+  return SPARGE_OK;
+}
+}  // namespace
+
+sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* params, PredictConfig* cfg) {
+  const sparge_status_t INV = SPARGE_ERR_INVALID_ARGUMENT;
+  const sparge_predict_params_t defaults = SPARGE_PREDICT_PARAMS_INIT;
+  const sparge_predict_params_t& in = params ? *params : defaults;
+  if (in.struct_size < sizeof(sparge_predict_params_t))
+    return fail(INV,
+                "params->struct_size is %zu, expected >= %zu (sizeof(sparge_predict_params_t); use "
+                "SPARGE_PREDICT_PARAMS_INIT)",
+                in.struct_size, sizeof(sparge_predict_params_t));
+  if (in.mode != SPARGE_SELECT_TOPK && in.mode != SPARGE_SELECT_CDF)
+    return fail(INV, "params->mode is %d, expected SPARGE_SELECT_TOPK (0) or SPARGE_SELECT_CDF (1)", int(in.mode));
+  if (in.mode == SPARGE_SELECT_TOPK && !in_unit_interval(in.topk))
+    return fail(INV, "params->topk is %g, expected a value in (0, 1]", double(in.topk));
+  if (in.mode == SPARGE_SELECT_CDF && !in_unit_interval(in.cdf_threshold))
+    return fail(INV, "params->cdf_threshold is %g, expected a value in (0, 1]", double(in.cdf_threshold));
+  if (std::isnan(in.sim_threshold)) return fail(INV, "params->sim_threshold is NaN, expected a number");
+  if (std::isnan(in.pv_threshold) || in.pv_threshold < 0.0f)
+    return fail(INV, "params->pv_threshold is %g, expected 0 (off)", double(in.pv_threshold));
+  if (in.pv_threshold > 0.0f)
+    return fail(SPARGE_ERR_UNSUPPORTED, "params->pv_threshold is %g: the PV skip is reserved, expected 0 (off)",
+                double(in.pv_threshold));
+  if (in.mode == SPARGE_SELECT_TOPK) SPARGE_TRY(check_per_head(plan, in.topk_per_head, "topk_per_head", true));
+  if (in.mode == SPARGE_SELECT_CDF)
+    SPARGE_TRY(check_per_head(plan, in.cdf_threshold_per_head, "cdf_threshold_per_head", true));
+  SPARGE_TRY(check_per_head(plan, in.sim_threshold_per_head, "sim_threshold_per_head", false));
+
+  PredictConfig c;
+  c.mode = in.mode;
+  c.topk = in.topk;
+  c.cdf_threshold = in.cdf_threshold;
+  c.sim_threshold = in.sim_threshold;
+  c.smooth_k = in.smooth_k != 0;
+  c.attention_sink = in.attention_sink != 0;
+  c.topk_per_head = in.mode == SPARGE_SELECT_TOPK ? in.topk_per_head : nullptr;
+  c.cdf_per_head = in.mode == SPARGE_SELECT_CDF ? in.cdf_threshold_per_head : nullptr;
+  c.sim_per_head = in.sim_threshold_per_head;
+  *cfg = c;
+  return SPARGE_OK;
+}
+
+sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t workspace_bytes) {
+  const size_t need = plan.ws.total;
+  if (!workspace && workspace_bytes > 0)
+    return fail(SPARGE_ERR_INVALID_ARGUMENT, "workspace is NULL but workspace_bytes is %zu, expected a pointer",
+                workspace_bytes);
+  if (workspace_bytes < need)
+    return fail(SPARGE_ERR_WORKSPACE_TOO_SMALL,
+                "workspace_bytes is %zu, expected >= %zu (sparge_plan_workspace_size): needed %zu bytes, given %zu",
+                workspace_bytes, need, need, workspace_bytes);
+  const size_t align = plan.prob.device == SPARGE_DEVICE_CUDA ? 256 : 16;
+  if (need > 0 && (reinterpret_cast<uintptr_t>(workspace) % align) != 0)
+    return fail(SPARGE_ERR_INVALID_ARGUMENT, "workspace is not %zu-byte aligned, expected a %zu-byte aligned pointer",
+                align, align);
+  return SPARGE_OK;
+}
+
+}  // namespace api
+}  // namespace sparge

@@ -1,0 +1,52 @@
+// Argument validation of the C entry points: problem -> Problem, tensors ->
+// views, params -> PredictConfig, workspace. Every failure sets the thread-local
+// message naming the argument and the expected value, and nothing is written
+// to the caller's outputs.
+#pragma once
+#include <cstdint>
+
+#include "core/backend.hpp"
+#include "core/error.hpp"
+
+namespace sparge {
+namespace api {
+
+const char* dtype_name(int dtype);
+const char* device_name(int device);
+size_t dtype_size(sparge_dtype_t dtype);
+
+// Validates `in` (already known non-NULL), resolves defaults, checks that every
+// size derived from it fits in 64 bits. Does not touch the device.
+sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out);
+
+// What a tensor argument must look like.
+struct TensorSpec {
+  const char* name;       // argument name used in messages ("q", "mask_out", ...)
+  sparge_dtype_t dtype;
+  int ndim;
+  int64_t shape[4];
+  const char* dim_names[4];  // e.g. {"B", "Hq", "Lq", "D"}
+  bool unit_last;            // the last dimension must have stride 1
+};
+
+// Validates one tensor against the plan and `spec`.
+sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const TensorSpec& spec);
+
+TensorSpec spec_q(const Plan& plan, const char* name);    // [B, Hq, Lq, D], plan dtype
+TensorSpec spec_kv(const Plan& plan, const char* name);   // [B, Hkv, Lkv, D], plan dtype
+TensorSpec spec_mask(const Plan& plan, const char* name); // uint8 [B, Hq, nQB, nKB]
+TensorSpec spec_lse(const Plan& plan, const char* name);  // float32 [B, Hq, Lq]
+TensorSpec spec_kept(const Plan& plan, const char* name); // int32 [B, Hq]
+
+Tensor4 to_tensor4(const sparge_tensor_t& t);
+MaskView to_mask(const sparge_tensor_t& t);
+LseView to_lse(const sparge_tensor_t& t);
+KeptView to_kept(const sparge_tensor_t& t);
+
+// params == NULL gives the defaults of SPARGE_PREDICT_PARAMS_INIT.
+sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* params, PredictConfig* cfg);
+
+sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t workspace_bytes);
+
+}  // namespace api
+}  // namespace sparge

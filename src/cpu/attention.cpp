@@ -1,0 +1,290 @@
+// CPU reference: block-sparse attention in the three precision modes
+// (docs/SEMANTICS.md, "Attention on a mask" and "Precision modes").
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.hpp"
+#include "cpu/common.hpp"
+
+namespace sparge {
+namespace cpu {
+namespace {
+
+constexpr int64_t kTile = 64;  // online-softmax key tile (FP16 and INT8_FP8)
+constexpr float kLn2 = 0.693147180559945309f;
+
+struct HeadIO {
+  const Problem& p;
+  const Tensor4& out;
+  const LseView* lse;
+  int64_t b, h;
+  void write_row(int64_t i, const float* o, float lse_val) const {
+    const int64_t base = out.offset(b, h, i, 0);
+    for (int64_t c = 0; c < p.D; ++c) store_elem(out.data, out.dtype, base + c, o[c]);
+    if (lse) lse->data[b * lse->stride[0] + h * lse->stride[1] + i * lse->stride[2]] = lse_val;
+  }
+};
+
+// ---------------------------------------------------------------- EXACT
+// float64 throughout, two passes (max, then exp-sum and weighted sum).
+void head_exact(const Problem& p, const std::vector<float>& qh, const std::vector<float>& kh,
+                const std::vector<float>& vh, const MaskView& mask, const HeadIO& io) {
+  const int64_t D = p.D;
+  std::vector<double> s(static_cast<size_t>(p.Lkv)), o(static_cast<size_t>(D));
+  std::vector<float> of(static_cast<size_t>(D));
+  for (int64_t i = 0; i < p.Lq; ++i) {
+    const RowMask rm = row_mask(p, mask, io.b, io.h, i);
+    const float* qi = qh.data() + i * D;
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < p.Lkv; ++j) {
+      if (!rm.used(j)) {
+        s[size_t(j)] = -INFINITY;
+        continue;
+      }
+      double d = 0.0;
+      const float* kj = kh.data() + j * D;
+      for (int64_t c = 0; c < D; ++c) d += double(qi[c]) * double(kj[c]);
+      s[size_t(j)] = double(p.scale) * d;
+      mx = std::max(mx, s[size_t(j)]);
+    }
+    if (mx == -INFINITY) {  // no used key
+      std::fill(of.begin(), of.end(), 0.0f);
+      io.write_row(i, of.data(), -INFINITY);
+      continue;
+    }
+    std::fill(o.begin(), o.end(), 0.0);
+    double sum = 0.0;
+    for (int64_t j = 0; j < p.Lkv; ++j) {
+      if (s[size_t(j)] == -INFINITY) continue;
+      const double e = std::exp(s[size_t(j)] - mx);
+      sum += e;
+      const float* vj = vh.data() + j * D;
+      for (int64_t c = 0; c < D; ++c) o[size_t(c)] += e * double(vj[c]);
+    }
+    for (int64_t c = 0; c < D; ++c) of[size_t(c)] = float(o[size_t(c)] / sum);
+    io.write_row(i, of.data(), float(mx + std::log(sum)));
+  }
+}
+
+// ---------------------------------------------------------------- FP16
+// Inputs as given, fp32 scores, base-2 online softmax over 64-key tiles, P
+// rounded to the input's 16-bit type (fp32 inputs: not rounded), fp32 accumulation.
+void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector<float>& kh,
+               const std::vector<float>& vh, const MaskView& mask, const HeadIO& io) {
+  const int64_t D = p.D;
+  const float cexp = p.scale * kLog2e;
+  std::vector<float> t(static_cast<size_t>(kTile)), acc(static_cast<size_t>(D));
+  for (int64_t i = 0; i < p.Lq; ++i) {
+    const RowMask rm = row_mask(p, mask, io.b, io.h, i);
+    const float* qi = qh.data() + i * D;
+    float m = -INFINITY, l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j0 = 0; j0 < p.Lkv; j0 += kTile) {
+      const int64_t j1 = std::min(p.Lkv, j0 + kTile);
+      float tmax = -INFINITY;
+      bool any = false;
+      for (int64_t j = j0; j < j1; ++j) {
+        float& tj = t[size_t(j - j0)];
+        if (!rm.used(j)) {
+          tj = -INFINITY;
+          continue;
+        }
+        any = true;
+        float d = 0.0f;
+        const float* kj = kh.data() + j * D;
+        for (int64_t c = 0; c < D; ++c) d += qi[c] * kj[c];
+        tj = d * cexp;
+        tmax = std::max(tmax, tj);
+      }
+      if (!any) continue;
+      const float mn = std::max(m, tmax);
+      if (mn == -INFINITY) continue;
+      const float alpha = (m == -INFINITY) ? 0.0f : std::exp2(m - mn);
+      float psum = 0.0f;
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float tj = t[size_t(j - j0)];
+        if (tj == -INFINITY) continue;
+        const float pj = std::exp2(tj - mn);
+        psum += pj;
+        const float pr = round_to(p.dtype, pj);
+        const float* vj = vh.data() + j * D;
+        for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += pr * vj[c];
+      }
+      l = l * alpha + psum;
+      m = mn;
+    }
+    if (l == 0.0f) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      io.write_row(i, acc.data(), -INFINITY);
+      continue;
+    }
+    for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = acc[size_t(c)] / l;
+    io.write_row(i, acc.data(), m * kLn2 + std::log(l));
+  }
+}
+
+// ---------------------------------------------------------------- INT8_FP8 twin
+// The rounding steps of the fast GPU mode, exactly as listed in SEMANTICS.md.
+struct QuantKV {
+  std::vector<int8_t> k8;   // [Lkv, D] smoothed, per-64-key-block scale
+  std::vector<float> sk;    // [nTiles]
+  std::vector<float> v8;    // [Lkv, D] float(e4m3(v * 448 / amax_c))
+  std::vector<float> sv;    // [D] amax_c / 448
+};
+
+inline int8_t quant_i8(float x, float inv) {
+  float r = std::nearbyint(x * inv);
+  r = std::min(127.0f, std::max(-127.0f, r));
+  return int8_t(r);
+}
+
+void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vector<float>& vh,
+                 const float* mu, QuantKV& qkv) {
+  const int64_t D = p.D, nT = (p.Lkv + kTile - 1) / kTile;
+  qkv.k8.assign(size_t(p.Lkv * D), 0);
+  qkv.sk.assign(size_t(nT), 0.0f);
+  std::vector<float> ks(size_t(kTile * D));
+  for (int64_t tb = 0; tb < nT; ++tb) {
+    const int64_t j0 = tb * kTile, j1 = std::min(p.Lkv, j0 + kTile);
+    float a = 0.0f;
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t c = 0; c < D; ++c) {
+        const float x = kh[size_t(j * D + c)] - mu[c];
+        ks[size_t((j - j0) * D + c)] = x;
+        a = std::max(a, std::fabs(x));
+      }
+    if (a == 0.0f) continue;  // scale 0, codes 0
+    qkv.sk[size_t(tb)] = a / 127.0f;
+    const float inv = 127.0f / a;
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t c = 0; c < D; ++c) qkv.k8[size_t(j * D + c)] = quant_i8(ks[size_t((j - j0) * D + c)], inv);
+  }
+  qkv.sv.assign(size_t(D), 0.0f);
+  qkv.v8.assign(size_t(p.Lkv * D), 0.0f);
+  for (int64_t c = 0; c < D; ++c) {
+    float a = 0.0f;
+    for (int64_t j = 0; j < p.Lkv; ++j) a = std::max(a, std::fabs(vh[size_t(j * D + c)]));
+    if (a == 0.0f) continue;
+    qkv.sv[size_t(c)] = a / kFp8Max;
+    const float inv = kFp8Max / a;
+    for (int64_t j = 0; j < p.Lkv; ++j) qkv.v8[size_t(j * D + c)] = e4m3_round(vh[size_t(j * D + c)] * inv);
+  }
+}
+
+void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV& kv, const float* mu,
+                  const MaskView& mask, const HeadIO& io) {
+  const int64_t D = p.D;
+  const float cexp = p.scale * kLog2e;
+  std::vector<int8_t> q8(static_cast<size_t>(D));
+  std::vector<float> t(static_cast<size_t>(kTile)), acc(static_cast<size_t>(D));
+  for (int64_t i = 0; i < p.Lq; ++i) {
+    const RowMask rm = row_mask(p, mask, io.b, io.h, i);
+    const float* qi = qh.data() + i * D;
+    // per-token Q quantization
+    float a = 0.0f;
+    for (int64_t c = 0; c < D; ++c) a = std::max(a, std::fabs(qi[c]));
+    float sq = 0.0f;
+    if (a == 0.0f) {
+      std::fill(q8.begin(), q8.end(), int8_t(0));
+    } else {
+      sq = a / 127.0f;
+      const float inv = 127.0f / a;
+      for (int64_t c = 0; c < D; ++c) q8[size_t(c)] = quant_i8(qi[c], inv);
+    }
+    const float qs = sq * cexp;
+    float m = -INFINITY, l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j0 = 0, tb = 0; j0 < p.Lkv; j0 += kTile, ++tb) {
+      const int64_t j1 = std::min(p.Lkv, j0 + kTile);
+      const float f = qs * kv.sk[size_t(tb)];
+      float tmax = -INFINITY;
+      bool any = false;
+      for (int64_t j = j0; j < j1; ++j) {
+        float& tj = t[size_t(j - j0)];
+        if (!rm.used(j)) {
+          tj = -INFINITY;
+          continue;
+        }
+        any = true;
+        int32_t d = 0;
+        const int8_t* kj = kv.k8.data() + j * D;
+        for (int64_t c = 0; c < D; ++c) d += int32_t(q8[size_t(c)]) * int32_t(kj[c]);
+        tj = float(d) * f;
+        tmax = std::max(tmax, tj);
+      }
+      if (!any) continue;
+      const float mn = std::max(m, tmax);
+      if (mn == -INFINITY) continue;
+      const float alpha = (m == -INFINITY) ? 0.0f : std::exp2(m - mn);
+      float psum = 0.0f;
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float tj = t[size_t(j - j0)];
+        if (tj == -INFINITY) continue;
+        const float pj = std::exp2(tj - mn);
+        psum += pj;
+        const float p8 = e4m3_round(pj * kFp8Max);
+        const float* vj = kv.v8.data() + j * D;
+        for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p8 * vj[c];
+      }
+      l = l * alpha + psum;
+      m = mn;
+    }
+    if (l == 0.0f) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      io.write_row(i, acc.data(), -INFINITY);
+      continue;
+    }
+    for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = acc[size_t(c)] * (kv.sv[size_t(c)] / kFp8Max) / l;
+    double qmu = 0.0;
+    for (int64_t c = 0; c < D; ++c) qmu += double(qi[c]) * double(mu[c]);
+    const float shift = float(double(p.scale) * qmu);
+    io.write_row(i, acc.data(), m * kLn2 + std::log(l) + shift);
+  }
+}
+
+}  // namespace
+
+sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                          const MaskView* mask, const PredictConfig& cfg, const Tensor4& out,
+                          const LseView* lse, void* workspace) {
+  const Problem& p = plan.prob;
+  MaskView m;
+  if (mask) {
+    m = *mask;
+  } else {
+    m.data = ws_ptr<uint8_t>(workspace, plan.ws.mask);
+    m.stride[3] = 1;
+    m.stride[2] = p.nKB;
+    m.stride[1] = p.nQB * p.nKB;
+    m.stride[0] = p.Hq * p.nQB * p.nKB;
+    SPARGE_TRY(predict(plan, q, k, cfg, m, nullptr, workspace));
+  }
+  float* k_mean = ws_ptr<float>(workspace, plan.ws.k_mean);
+  if (p.precision == SPARGE_PRECISION_INT8_FP8 && mask) compute_k_mean(plan, k, cfg.smooth_k, k_mean);
+
+  parallel_for(p.B * p.Hq, [&](int64_t bh) {
+    const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group();
+    std::vector<float> qh, kh, vh;
+    load_head(q, b, h, qh);
+    load_head(k, b, hk, kh);
+    load_head(v, b, hk, vh);
+    const HeadIO io{p, out, lse, b, h};
+    switch (p.precision) {
+      case SPARGE_PRECISION_EXACT: head_exact(p, qh, kh, vh, m, io); break;
+      case SPARGE_PRECISION_FP16: head_fp16(p, qh, kh, vh, m, io); break;
+      default: {
+        const float* mu = k_mean + (b * p.Hkv + hk) * p.D;
+        QuantKV kv;
+        quantize_kv(p, kh, vh, mu, kv);
+        head_int8fp8(p, qh, kv, mu, m, io);
+        break;
+      }
+    }
+  });
+  return SPARGE_OK;
+}
+
+}  // namespace cpu
+}  // namespace sparge

@@ -1,0 +1,178 @@
+// CPU reference: block-mask prediction (docs/SEMANTICS.md, "Mask prediction").
+//
+// Accumulations are float64; the intermediates kept in the workspace (K mean,
+// pooled vectors, self-similarities, block probabilities) are float32, the
+// precision the CUDA backend keeps them in.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <numeric>
+
+#include "core/error.hpp"
+#include "cpu/common.hpp"
+
+namespace sparge {
+namespace cpu {
+
+void compute_k_mean(const Plan& plan, const Tensor4& k, bool smooth, float* k_mean) {
+  const Problem& p = plan.prob;
+  const int64_t D = p.D;
+  parallel_for(p.B * p.Hkv, [&](int64_t bh) {
+    const int64_t b = bh / p.Hkv, h = bh % p.Hkv;
+    float* mu = k_mean + bh * D;
+    if (!smooth) {
+      std::fill(mu, mu + D, 0.0f);
+      return;
+    }
+    std::vector<double> acc(size_t(D), 0.0);
+    for (int64_t j = 0; j < p.Lkv; ++j) {
+      const int64_t base = k.offset(b, h, j, 0);
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += load_elem(k.data, k.dtype, base + c);
+    }
+    for (int64_t c = 0; c < D; ++c) mu[c] = float(acc[size_t(c)] / double(p.Lkv));
+  });
+}
+
+namespace {
+
+// Pooled mean and self-similarity of rows [r0, r1) of a dense [L, D] buffer.
+void pool_block(const float* x, int64_t D, int64_t r0, int64_t r1, float* pooled, float* sim) {
+  const int64_t n = r1 - r0;
+  std::vector<double> sum(size_t(D), 0.0), unit(size_t(D), 0.0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* row = x + r * D;
+    double nrm2 = 0.0;
+    for (int64_t c = 0; c < D; ++c) {
+      sum[size_t(c)] += row[c];
+      nrm2 += double(row[c]) * double(row[c]);
+    }
+    if (nrm2 > 0.0) {
+      const double inv = 1.0 / std::sqrt(nrm2);
+      for (int64_t c = 0; c < D; ++c) unit[size_t(c)] += double(row[c]) * inv;
+    }
+  }
+  double u2 = 0.0;
+  for (int64_t c = 0; c < D; ++c) {
+    pooled[c] = float(sum[size_t(c)] / double(n));
+    u2 += unit[size_t(c)] * unit[size_t(c)];
+  }
+  *sim = float(u2 / (double(n) * double(n)));
+}
+
+float head_value(const float* per_head, int64_t h, float scalar) {
+  return per_head ? per_head[h] : scalar;
+}
+
+}  // namespace
+
+sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, const PredictConfig& cfg,
+                        const MaskView& mask_out, const KeptView* kept, void* workspace) {
+  const Problem& p = plan.prob;
+  const WorkspaceLayout& ws = plan.ws;
+  const int64_t D = p.D, nQB = p.nQB, nKB = p.nKB;
+  float* k_mean = ws_ptr<float>(workspace, ws.k_mean);
+  float* pooled_q = ws_ptr<float>(workspace, ws.pooled_q);
+  float* sim_q = ws_ptr<float>(workspace, ws.sim_q);
+  float* pooled_k = ws_ptr<float>(workspace, ws.pooled_k);
+  float* sim_k = ws_ptr<float>(workspace, ws.sim_k);
+  float* probs = ws_ptr<float>(workspace, ws.scores);
+  int32_t* kept_ws = ws_ptr<int32_t>(workspace, ws.kept);
+
+  // 1-2. K smoothing, pooled smoothed K and its self-similarity, per kv head.
+  compute_k_mean(plan, k, cfg.smooth_k, k_mean);
+  parallel_for(p.B * p.Hkv, [&](int64_t bh) {
+    std::vector<float> kh;
+    load_head(k, bh / p.Hkv, bh % p.Hkv, kh);
+    const float* mu = k_mean + bh * D;
+    for (int64_t j = 0; j < p.Lkv; ++j)
+      for (int64_t c = 0; c < D; ++c) kh[size_t(j * D + c)] -= mu[c];
+    for (int64_t kb = 0; kb < nKB; ++kb) {
+      const int64_t r0 = kb * p.BK, r1 = std::min(p.Lkv, r0 + p.BK);
+      pool_block(kh.data(), D, r0, r1, pooled_k + (bh * nKB + kb) * D, sim_k + bh * nKB + kb);
+    }
+  });
+
+  // 2-6. Per query head: pooled Q, scores, softmax, selection, forced blocks.
+  parallel_for(p.B * p.Hq, [&](int64_t bh) {
+    const int64_t b = bh / p.Hq, h = bh % p.Hq;
+    const int64_t bhk = b * p.Hkv + h / p.group();
+    std::vector<float> qh;
+    load_head(q, b, h, qh);
+    for (int64_t qb = 0; qb < nQB; ++qb) {
+      const int64_t r0 = qb * p.BQ, r1 = std::min(p.Lq, r0 + p.BQ);
+      pool_block(qh.data(), D, r0, r1, pooled_q + (bh * nQB + qb) * D, sim_q + bh * nQB + qb);
+    }
+    const float topk = head_value(cfg.topk_per_head, h, cfg.topk);
+    const float cdf = head_value(cfg.cdf_per_head, h, cfg.cdf_threshold);
+    const float sim_thr = head_value(cfg.sim_per_head, h, cfg.sim_threshold);
+    const float* pk = pooled_k + bhk * nKB * D;
+    const float* sk = sim_k + bhk * nKB;
+
+    int64_t kept_count = 0;
+    std::vector<double> e(static_cast<size_t>(nKB));
+    std::vector<int64_t> order(static_cast<size_t>(nKB));
+    std::vector<uint8_t> keep(static_cast<size_t>(nKB));
+    for (int64_t qb = 0; qb < nQB; ++qb) {
+      const int64_t vis = visible_key_blocks(p, qb);
+      const float* pq = pooled_q + (bh * nQB + qb) * D;
+      float* P = probs + (bh * nQB + qb) * nKB;
+      std::fill(keep.begin(), keep.end(), uint8_t(0));
+      std::fill(P, P + nKB, 0.0f);
+      if (vis > 0) {
+        // 3. scores and softmax over the visible entries
+        double mx = -INFINITY;
+        for (int64_t kb = 0; kb < vis; ++kb) {
+          double s = 0.0;
+          for (int64_t c = 0; c < D; ++c) s += double(pq[c]) * double(pk[kb * D + c]);
+          const float sf = float(double(p.scale) * s);
+          e[size_t(kb)] = sf;
+          mx = std::max(mx, double(sf));
+        }
+        double tot = 0.0;
+        for (int64_t kb = 0; kb < vis; ++kb) {
+          e[size_t(kb)] = std::exp(e[size_t(kb)] - mx);
+          tot += e[size_t(kb)];
+        }
+        for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
+        // 4. selection: probability descending, ties by lower block index
+        std::iota(order.begin(), order.begin() + vis, int64_t(0));
+        std::stable_sort(order.begin(), order.begin() + vis,
+                         [&](int64_t a, int64_t c) { return P[a] > P[c]; });
+        int64_t n = 0;
+        if (cfg.mode == SPARGE_SELECT_TOPK) {
+          n = topk_count(topk, vis);
+        } else {
+          double acc = 0.0;
+          while (n < vis) {
+            acc += double(P[order[size_t(n)]]);
+            ++n;
+            if (acc >= double(cdf)) break;
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) keep[size_t(order[size_t(t)])] = 1;
+        // 5. forced blocks
+        if (sim_q[bh * nQB + qb] < sim_thr)
+          for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;
+        for (int64_t kb = 0; kb < vis; ++kb)
+          if (sk[kb] < sim_thr) keep[size_t(kb)] = 1;
+        if (cfg.attention_sink) keep[0] = 1;
+      }
+      // 6. write the whole row (invisible blocks are 0)
+      for (int64_t kb = 0; kb < nKB; ++kb) {
+        mask_out.data[mask_out.offset(b, h, qb, kb)] = keep[size_t(kb)];
+        kept_count += keep[size_t(kb)];
+      }
+    }
+    kept_ws[bh] = int32_t(std::min<int64_t>(kept_count, INT32_MAX));  // saturates (int32 output)
+  });
+
+  if (kept) {
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t h = 0; h < p.Hq; ++h)
+        kept->data[b * kept->stride[0] + h * kept->stride[1]] = kept_ws[b * p.Hq + h];
+  }
+  return SPARGE_OK;
+}
+
+}  // namespace cpu
+}  // namespace sparge
