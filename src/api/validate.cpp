@@ -21,7 +21,8 @@ bool checked_product(std::initializer_list<uint64_t> factors, uint64_t* out) {
   return true;
 }
 
-// Mirrors the bump allocation of plan_workspace with overflow checks.
+// Mirrors the bump allocation of plan_workspace (core/workspace.cpp) with
+// overflow checks; keep the two in step when regions are added.
 struct CheckedBump {
   uint64_t top = 0;
   bool ok = true;
@@ -168,6 +169,7 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
       w.take({B, Hq, nQB, nKB, 4});  // idx
       w.take({B, Hq, nQB, 4});       // cnt
       w.take({B, Hq, nQB, 4});       // order
+      w.take({B, Hkv, uint64_t(ceil_div(p.Lkv, kGpuColChunk)), D, 12});  // col_part (double + float)
       w.take({B, Hq, lq, D});        // q_i8
       w.take({B, Hkv, lk, D});       // k_i8
       w.take({B, Hkv, D, lk});       // v_f8
