@@ -20,6 +20,8 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "cuda/attention/sm90/sm90_primitives.cuh"
@@ -35,6 +37,10 @@ constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kBQ = 128;  // query rows per CTA (= mask block rows)
 constexpr int kBK = 64;   // keys per tile (= mask block cols)
+// setmaxnreg budgets: 128*24 + 256*240 <= 64K registers of the SM.
+constexpr uint32_t kProducerRegs = 24;
+constexpr uint32_t kConsumerRegs = 240;
+constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
 
 template <int D>
 struct SmemLayout {
@@ -66,7 +72,189 @@ struct Params {
   int out_bf16;
 };
 
+// Per-thread state of one consumer warpgroup (64 query rows). Register j of
+// an m64nN accumulator holds row (j & 2 ? row1 : row0) and column
+// 8*(j/4) + 2*quad + (j & 1), where row0 = 16*warp + lane/4 and row1 = row0 + 8.
 template <int D, bool kCausal>
+struct Consumer {
+  using L = SmemLayout<D>;
+  static constexpr uint32_t kSwz = (D == 128) ? kSwizzle128B : kSwizzle64B;
+  static constexpr uint32_t kSboQK = 8 * D;   // 8 rows of D int8 bytes
+  static constexpr uint32_t kSboV = 8 * kBK;  // 8 channels of 64 fp8 bytes
+  static constexpr int NO = D / 2;            // O accumulator registers per thread
+
+  const Params& p;
+  const int cw, quad, bh, b, h, bhkv, row0, row1, wg_row_min, diag;
+  const int64_t lq_pad;
+  const uint8_t* sk;
+  const uint8_t* sv;
+  uint64_t desc_q;
+  float qs0, qs1;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  int32_t acc[32];
+  float o[NO];
+  float o_tile[NO];
+
+  __device__ Consumer(const Params& p_, int cw_, int tid, int bh_, int qb, int bhkv_, const uint8_t* sq,
+                      const uint8_t* sk_, const uint8_t* sv_)
+      : p(p_),
+        cw(cw_),
+        quad(tid & 3),
+        bh(bh_),
+        b(bh_ / p_.Hq),
+        h(bh_ - (bh_ / p_.Hq) * p_.Hq),
+        bhkv(bhkv_),
+        row0(qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
+        row1(qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
+        wg_row_min(qb * kBQ + cw_ * 64),
+        diag(p_.Lkv - p_.Lq),
+        lq_pad(int64_t(p_.nQB) * kBQ),
+        sk(sk_),
+        sv(sv_) {
+    desc_q = make_smem_desc(sq + cw * 64 * D, kSwz, kSboQK);
+    qs0 = p.q_scale[int64_t(bh) * lq_pad + row0] * p.scale_log2;
+    qs1 = p.q_scale[int64_t(bh) * lq_pad + row1] * p.scale_log2;
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o_tile[j] = 0.f;
+  }
+
+  // Shared-memory descriptors of stage s. They are computed before the first
+  // wgmma of a batch: an ordinary instruction defining a wgmma input between
+  // wgmmas of one batch makes ptxas serialize them.
+  __device__ __forceinline__ uint64_t desc_k(int s) const {
+    return make_smem_desc(sk + s * L::kKBytes, kSwz, kSboQK);
+  }
+  __device__ __forceinline__ uint64_t desc_v(int s) const {
+    return make_smem_desc(sv + s * L::kVBytes, kSwizzle64B, kSboV);
+  }
+
+  // S = Q K^T (int8, s32 accumulate). Caller fences before and commits after.
+  __device__ __forceinline__ void issue_qk(uint64_t dk) {
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) {
+      wgmma_m64n64k32_s8s8(acc, desc_q + uint64_t((kk * 32) >> 4), dk + uint64_t((kk * 32) >> 4), kk > 0);
+    }
+  }
+
+  // O_tile = P V (fp8, fresh accumulator). Caller fences before and commits after.
+  __device__ __forceinline__ void issue_pv(uint64_t dv, const uint32_t (&pa)[2][4]) {
+    if constexpr (D == 128) {
+      wgmma_m64n128k32_e4m3_rs(o_tile, pa[0], dv, 0);
+      wgmma_m64n128k32_e4m3_rs(o_tile, pa[1], dv + uint64_t(32 >> 4), 1);
+    } else {
+      wgmma_m64n64k32_e4m3_rs(o_tile, pa[0], dv, 0);
+      wgmma_m64n64k32_e4m3_rs(o_tile, pa[1], dv + uint64_t(32 >> 4), 1);
+    }
+  }
+
+  // Online softmax of the scores in `acc` (key block kb): updates m, l; returns
+  // the rescale factors of the previous accumulator and P as e4m3 A fragments.
+  __device__ __forceinline__ void softmax(int kb, uint32_t (&pa)[2][4], float& alpha0, float& alpha1) {
+    const float ks = p.k_scale[int64_t(bhkv) * p.nKB + kb];
+    const float f0 = qs0 * ks, f1 = qs1 * ks;
+    float sc[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) sc[j] = small_int_to_float(acc[j]) * ((j & 2) ? f1 : f0);
+    const int key0 = kb * kBK;
+    const bool need_mask = (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
+    if (need_mask) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int key = key0 + 8 * (j / 4) + 2 * quad + (j & 1);
+        const int row = (j & 2) ? row1 : row0;
+        bool ok = key < p.Lkv;
+        if (kCausal) ok = ok && (key <= row + diag);
+        if (!ok) sc[j] = -INFINITY;
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      if (j & 2) mx1 = fmaxf(mx1, sc[j]);
+      else mx0 = fmaxf(mx0, sc[j]);
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
+    const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
+    alpha0 = fast_exp2(m0 - mu0);
+    alpha1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const float pj = fast_exp2(sc[j] - ((j & 2) ? mu1 : mu0));
+      sc[j] = pj * kFp8Max;
+      if (j & 2) rs1 += pj;
+      else rs0 += pj;
+    }
+    l0 = l0 * alpha0 + rs0;
+    l1 = l1 * alpha1 + rs1;
+    // k-step ks of P.V covers tile columns [32ks, 32ks+32): accumulator chunks
+    // c = 4ks .. 4ks+3. The A fragment wants, per thread, k = 4*quad + (0..3)
+    // and 16 + 4*quad + (0..3); V^T's token order (perm32) makes the columns
+    // this thread holds land exactly there.
+#pragma unroll
+    for (int ksp = 0; ksp < 2; ++ksp) {
+      const int c = 4 * ksp;
+      pa[ksp][0] = pack_e4m3x4(sc[c * 4 + 0], sc[c * 4 + 1], sc[(c + 1) * 4 + 0], sc[(c + 1) * 4 + 1]);
+      pa[ksp][1] = pack_e4m3x4(sc[c * 4 + 2], sc[c * 4 + 3], sc[(c + 1) * 4 + 2], sc[(c + 1) * 4 + 3]);
+      pa[ksp][2] = pack_e4m3x4(sc[(c + 2) * 4 + 0], sc[(c + 2) * 4 + 1], sc[(c + 3) * 4 + 0], sc[(c + 3) * 4 + 1]);
+      pa[ksp][3] = pack_e4m3x4(sc[(c + 2) * 4 + 2], sc[(c + 2) * 4 + 3], sc[(c + 3) * 4 + 2], sc[(c + 3) * 4 + 3]);
+    }
+  }
+
+  // O = O * alpha + O_tile (two-level accumulation in fp32).
+  __device__ __forceinline__ void accumulate(float alpha0, float alpha1) {
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j] = fmaf(o[j], (j & 2) ? alpha1 : alpha0, o_tile[j]);
+  }
+
+  __device__ __forceinline__ void epilogue() {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
+    const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+    const float* vamax = p.v_amax + int64_t(bhkv) * D;
+    constexpr float kDequantPV = 1.f / (kFp8Max * kFp8Max);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = half ? row1 : row0;
+      if (row >= p.Lq) continue;
+      const float inv = half ? inv1 : inv0;
+      char* orow = static_cast<char*>(p.out) +
+                   2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] + int64_t(row) * p.out_stride[2]);
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        const int col = 8 * c + 2 * quad;
+        const float x0 = o[c * 4 + 2 * half + 0] * (vamax[col] * kDequantPV) * inv;
+        const float x1 = o[c * 4 + 2 * half + 1] * (vamax[col + 1] * kDequantPV) * inv;
+        if (p.out_bf16) {
+          *reinterpret_cast<__nv_bfloat162*>(orow + 2 * col) = __floats2bfloat162_rn(x0, x1);
+        } else {
+          *reinterpret_cast<__half2*>(orow + 2 * col) = __floats2half2_rn(x0, x1);
+        }
+      }
+      if (p.lse != nullptr && quad == 0) {
+        const float l = half ? l1 : l0;
+        const float m = half ? m1 : m0;
+        const float mu = p.q_mu[int64_t(bh) * lq_pad + row];
+        const float v = (l > 0.f) ? (m * 0.69314718055994531f + logf(l) + mu) : -INFINITY;
+        p.lse[int64_t(b) * p.lse_stride[0] + int64_t(h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] = v;
+      }
+    }
+  }
+};
+
+template <int D, bool kCausal, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_int8fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -101,13 +289,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  constexpr uint32_t kSwz = (D == 128) ? kSwizzle128B : kSwizzle64B;
-  constexpr uint32_t kSboQK = 8 * D;  // 8 rows of D int8 bytes
-  constexpr uint32_t kSboV = 8 * kBK; // 8 rows (channels) of 64 fp8 bytes
-
   if (wg == 0) {
     // ------------------------------------------------------------ producer
-    regs_dealloc<40>();
+    regs_dealloc<kProducerRegs>();
     if (threadIdx.x == 0 && n_tiles > 0) {
       tma_prefetch_map(&tm_q);
       tma_prefetch_map(&tm_k);
@@ -127,161 +311,103 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // -------------------------------------------------------------- consumers
-  regs_alloc<232>();
-  const int cw = wg - 1;  // consumer warpgroup: query rows [64*cw, 64*cw + 64)
-  const int tid = threadIdx.x - 128 * wg;
-  const int warp = tid / 32, lane = tid % 32;
-  const int quad = lane & 3;
-  const int r_local = cw * 64 + warp * 16 + (lane >> 2);  // and r_local + 8
-  const int64_t lq_pad = int64_t(p.nQB) * kBQ;
-  const int row0 = qb * kBQ + r_local;
-  const int row1 = row0 + 8;
-  const float qs0 = p.q_scale[int64_t(bh) * lq_pad + row0] * p.scale_log2;
-  const float qs1 = p.q_scale[int64_t(bh) * lq_pad + row1] * p.scale_log2;
-  const int diag = p.Lkv - p.Lq;  // key j visible to row i iff j <= i + diag
-  const int wg_row_min = qb * kBQ + cw * 64;
-
-  constexpr int NO = D / 2;  // O accumulator registers per thread (m64 x D)
-  float o[NO];
-#pragma unroll
-  for (int j = 0; j < NO; ++j) o[j] = 0.f;
-  float o_tile[NO];
-#pragma unroll
-  for (int j = 0; j < NO; ++j) o_tile[j] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-  if (n_tiles > 0) mbar_wait(qbar, 0);
-  const uint64_t desc_q = make_smem_desc(sq + cw * 64 * D, kSwz, kSboQK);
-
-  for (int t = 0; t < n_tiles; ++t) {
-    const int s = t % kStages;
-    const int kb = tiles[t];
-    const float ks = p.k_scale[int64_t(bhkv) * p.nKB + kb];
-    mbar_wait(&full[s], (t / kStages) & 1);
-
-    // S = Q K^T  (int8, s32 accumulate)
-    int32_t acc[32];
-    const uint64_t desc_k = make_smem_desc(sk + s * L::kKBytes, kSwz, kSboQK);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk) {
-      wgmma_m64n64k32_s8s8(acc, desc_q + uint64_t((kk * 32) >> 4), desc_k + uint64_t((kk * 32) >> 4), kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(acc);
-
-    // Dequantize into the base-2 logit domain. Register j of the accumulator:
-    // row (j & 2) ? row1 : row0, column 8*(j/4) + 2*quad + (j & 1).
-    const float f0 = qs0 * ks, f1 = qs1 * ks;
-    float sc[32];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) sc[j] = small_int_to_float(acc[j]) * ((j & 2) ? f1 : f0);
-    const int key0 = kb * kBK;
-    const bool need_mask = (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
-    if (need_mask) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int key = key0 + 8 * (j / 4) + 2 * quad + (j & 1);
-        const int row = (j & 2) ? row1 : row0;
-        bool ok = key < p.Lkv;
-        if (kCausal) ok = ok && (key <= row + diag);
-        if (!ok) sc[j] = -INFINITY;
+  regs_alloc<kConsumerRegs>();
+  Consumer<D, kCausal> c(p, wg - 1, threadIdx.x - 128 * wg, bh, qb, bhkv, sq, sk, sv);
+  if (n_tiles > 0) {
+    mbar_wait(qbar, 0);
+    if constexpr (kPipelined) {
+      // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
+      // plus ping-pong between the two consumer warpgroups: each takes turns
+      // issuing its matrix products, so one's softmax overlaps the other's GEMMs.
+      const int me = c.cw, other = c.cw ^ 1;
+      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+      mbar_wait(&full[0], 0);
+      {
+        const uint64_t dk = c.desc_k(0);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_qk(dk);
+        wgmma_commit();
       }
-    }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      if (j & 2) mx1 = fmaxf(mx1, sc[j]);
-      else mx0 = fmaxf(mx0, sc[j]);
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
-    const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
-    const float alpha0 = fast_exp2(m0 - mu0), alpha1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const float pj = fast_exp2(sc[j] - ((j & 2) ? mu1 : mu0));
-      sc[j] = pj * kFp8Max;
-      if (j & 2) rs1 += pj;
-      else rs0 += pj;
-    }
-    l0 = l0 * alpha0 + rs0;
-    l1 = l1 * alpha1 + rs1;
-
-    // P (e4m3) as the A operand: k-step ks covers tile columns [32ks, 32ks+32),
-    // i.e. accumulator chunks c = 4ks .. 4ks+3 (8 columns each).
-    uint32_t pa[2][4];
-#pragma unroll
-    for (int ksp = 0; ksp < 2; ++ksp) {
-      const int c = 4 * ksp;
-      pa[ksp][0] = pack_e4m3x4(sc[c * 4 + 0], sc[c * 4 + 1], sc[(c + 1) * 4 + 0], sc[(c + 1) * 4 + 1]);
-      pa[ksp][1] = pack_e4m3x4(sc[c * 4 + 2], sc[c * 4 + 3], sc[(c + 1) * 4 + 2], sc[(c + 1) * 4 + 3]);
-      pa[ksp][2] = pack_e4m3x4(sc[(c + 2) * 4 + 0], sc[(c + 2) * 4 + 1], sc[(c + 3) * 4 + 0], sc[(c + 3) * 4 + 1]);
-      pa[ksp][3] = pack_e4m3x4(sc[(c + 2) * 4 + 2], sc[(c + 2) * 4 + 3], sc[(c + 3) * 4 + 2], sc[(c + 3) * 4 + 3]);
-    }
-
-    // O_tile = P V  (fp8, fresh accumulator)
-    const uint64_t desc_v = make_smem_desc(sv + s * L::kVBytes, kSwizzle64B, kSboV);
-    wgmma_fence();
-    if constexpr (D == 128) {
-      wgmma_m64n128k32_e4m3_rs(o_tile, pa[0], desc_v, 0);
-      wgmma_m64n128k32_e4m3_rs(o_tile, pa[1], desc_v + uint64_t(32 >> 4), 1);
-    } else {
-      wgmma_m64n64k32_e4m3_rs(o_tile, pa[0], desc_v, 0);
-      wgmma_m64n64k32_e4m3_rs(o_tile, pa[1], desc_v + uint64_t(32 >> 4), 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(o_tile);
-    mbar_arrive(&empty[s]);
-
-#pragma unroll
-    for (int j = 0; j < NO; ++j) o[j] = fmaf(o[j], (j & 2) ? alpha1 : alpha0, o_tile[j]);
-  }
-
-  // -------------------------------------------------------------- epilogue
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
-  const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
-  const float* vamax = p.v_amax + int64_t(bhkv) * D;
-  constexpr float kDequantPV = 1.f / (kFp8Max * kFp8Max);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = half ? row1 : row0;
-    if (row >= p.Lq) continue;
-    const float inv = half ? inv1 : inv0;
-    char* orow = static_cast<char*>(p.out) +
-                 2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] + int64_t(row) * p.out_stride[2]);
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      const int col = 8 * c + 2 * quad;
-      const float x0 = o[c * 4 + 2 * half + 0] * (vamax[col] * kDequantPV) * inv;
-      const float x1 = o[c * 4 + 2 * half + 1] * (vamax[col + 1] * kDequantPV) * inv;
-      if (p.out_bf16) {
-        *reinterpret_cast<__nv_bfloat162*>(orow + 2 * col) = __floats2bfloat162_rn(x0, x1);
+      named_bar_arrive(kTurnBar0 + other, 256);
+      wgmma_wait<0>();
+      fence_regs(c.acc);
+      // Two P buffers used alternately (the loop is unrolled by two), so the
+      // registers an in-flight P.V reads are never the ones the next softmax
+      // writes; a copy between them would let ptxas merge the two and
+      // serialize the wgmmas.
+      uint32_t pa_a[2][4], pa_b[2][4];
+      float al_a0, al_a1, al_b0, al_b1;
+      c.softmax(tiles[0], pa_a, al_a0, al_a1);
+      auto step = [&](int t, const uint32_t(&pin)[2][4], float ain0, float ain1, uint32_t(&pout)[2][4],
+                      float& aout0, float& aout1) {
+        const int s = t % kStages, sp = (t - 1) % kStages;
+        const int kb = tiles[t];
+        mbar_wait(&full[s], (t / kStages) & 1);
+        const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_qk(dk);
+        wgmma_commit();
+        c.issue_pv(dv, pin);
+        wgmma_commit();
+        named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<1>();
+        fence_regs(c.acc);
+        c.softmax(kb, pout, aout0, aout1);
+        wgmma_wait<0>();
+        fence_regs(c.o_tile);
+        mbar_arrive(&empty[sp]);
+        c.accumulate(ain0, ain1);
+      };
+      auto last = [&](const uint32_t(&pin)[2][4], float ain0, float ain1) {
+        const uint64_t dv = c.desc_v((n_tiles - 1) % kStages);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_pv(dv, pin);
+        wgmma_commit();
+        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+        wgmma_wait<0>();
+        fence_regs(c.o_tile);
+        mbar_arrive(&empty[(n_tiles - 1) % kStages]);
+        c.accumulate(ain0, ain1);
+      };
+      int t = 1;
+      for (; t + 1 < n_tiles; t += 2) {
+        step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
+        step(t + 1, pa_b, al_b0, al_b1, pa_a, al_a0, al_a1);
+      }
+      if (t < n_tiles) {
+        step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
+        last(pa_b, al_b0, al_b1);
       } else {
-        *reinterpret_cast<__half2*>(orow + 2 * col) = __floats2half2_rn(x0, x1);
+        last(pa_a, al_a0, al_a1);
+      }
+    } else {
+      for (int t = 0; t < n_tiles; ++t) {
+        const int s = t % kStages;
+        const int kb = tiles[t];
+        mbar_wait(&full[s], (t / kStages) & 1);
+        const uint64_t dk = c.desc_k(s), dv = c.desc_v(s);
+        wgmma_fence();
+        c.issue_qk(dk);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(c.acc);
+        uint32_t pa[2][4];
+        float alpha0, alpha1;
+        c.softmax(kb, pa, alpha0, alpha1);
+        wgmma_fence();
+        c.issue_pv(dv, pa);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(c.o_tile);
+        mbar_arrive(&empty[s]);
+        c.accumulate(alpha0, alpha1);
       }
     }
-    if (p.lse != nullptr && quad == 0) {
-      const float l = half ? l1 : l0;
-      const float m = half ? m1 : m0;
-      const float mu = p.q_mu[int64_t(bh) * lq_pad + row];
-      const float v = (l > 0.f) ? (m * 0.69314718055994531f + logf(l) + mu) : -INFINITY;
-      p.lse[int64_t(b) * p.lse_stride[0] + int64_t(h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] = v;
-    }
   }
+  c.epilogue();
 #endif
 }
 
@@ -322,7 +448,7 @@ sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
   return SPARGE_OK;
 }
 
-template <int D, bool kCausal>
+template <int D, bool kCausal, bool kPipelined>
 sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream) {
   using L = SmemLayout<D>;
   EncodeTiledFn enc = nullptr;
@@ -334,12 +460,24 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   SPARGE_TRY(make_map(enc, &tq, a.q_i8, D, bhq * pb.nQB * kBQ, D, kBQ, swz, "q"));
   SPARGE_TRY(make_map(enc, &tk, a.k_i8, D, bhk * pb.nKB * kBK, D, kBK, swz, "k"));
   SPARGE_TRY(make_map(enc, &tv, a.v_f8, uint64_t(pb.nKB) * kBK, bhk * D, kBK, D, CU_TENSOR_MAP_SWIZZLE_64B, "v"));
-  auto kernel = attn_int8fp8_kernel<D, kCausal>;
+  auto kernel = attn_int8fp8_kernel<D, kCausal, kPipelined>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
   const unsigned grid = static_cast<unsigned>(bhq * pb.nQB);
   kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, prm);
   SPARGE_LAUNCH_CHECK("attn_int8fp8_kernel");
   return SPARGE_OK;
+}
+
+// Consumer schedule: "pipelined" (default: ping-pong between the consumer
+// warpgroups plus softmax/P.V overlap inside each) or "serial" (one tile at a
+// time). SPARGE_SM90_SCHEDULE=serial selects the latter; it is a developer
+// switch for A/B measurements, read once.
+bool use_pipelined_schedule() {
+  static const bool pipelined = [] {
+    const char* e = std::getenv("SPARGE_SM90_SCHEDULE");
+    return !(e != nullptr && std::strcmp(e, "serial") == 0);
+  }();
+  return pipelined;
 }
 
 }  // namespace
@@ -377,10 +515,16 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   prm.nKB = static_cast<int>(pb.nKB);
   prm.scale_log2 = pb.scale * kLog2e;
   prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
+  const bool pipelined = sm90::use_pipelined_schedule();
+#define SPARGE_SM90_LAUNCH(D_, C_) \
+  return pipelined ? sm90::launch<D_, C_, true>(a, prm, stream) : sm90::launch<D_, C_, false>(a, prm, stream)
   if (pb.D == 128) {
-    return pb.causal ? sm90::launch<128, true>(a, prm, stream) : sm90::launch<128, false>(a, prm, stream);
+    if (pb.causal) SPARGE_SM90_LAUNCH(128, true);
+    SPARGE_SM90_LAUNCH(128, false);
   }
-  return pb.causal ? sm90::launch<64, true>(a, prm, stream) : sm90::launch<64, false>(a, prm, stream);
+  if (pb.causal) SPARGE_SM90_LAUNCH(64, true);
+  SPARGE_SM90_LAUNCH(64, false);
+#undef SPARGE_SM90_LAUNCH
 }
 
 }  // namespace cuda
