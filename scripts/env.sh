@@ -1,0 +1,26 @@
+# Sourced by the scripts: common settings. Not meant to be run on its own.
+# BUILD_DIR  build folder (default: build)
+# SPARGE_CUDA AUTO|ON|OFF (default AUTO: the CUDA backend when nvcc is found)
+# JOBS       parallel build jobs (default: 2 under CI, else the number of cores)
+# BUILD_TYPE CMake build type (default Release)
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
+case "$BUILD_DIR" in /*) ;; *) BUILD_DIR="$ROOT/$BUILD_DIR" ;; esac
+SPARGE_CUDA="${SPARGE_CUDA:-AUTO}"
+BUILD_TYPE="${BUILD_TYPE:-Release}"
+if [ -z "${JOBS:-}" ]; then
+  if [ "${CI:-}" = "true" ]; then JOBS=2; else JOBS="$(nproc 2>/dev/null || echo 2)"; fi
+fi
+if [ -d /usr/local/cuda/bin ]; then
+  case ":$PATH:" in *:/usr/local/cuda/bin:*) ;; *) export PATH="$PATH:/usr/local/cuda/bin" ;; esac
+fi
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$PATH:$HOME/.cargo/bin"
+fi
+
+sparge_configure() {
+  local gen=()
+  if command -v ninja >/dev/null 2>&1; then gen=(-G Ninja); fi
+  if [ -f "$BUILD_DIR/CMakeCache.txt" ]; then gen=(); fi  # keep the existing generator
+  cmake -S "$ROOT" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DSPARGE_CUDA="$SPARGE_CUDA" "$@"
+}

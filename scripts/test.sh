@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Builds everything and runs every test suite: CTest (Catch2 CPU tests, the C99
+# header check, the export check, the sparge tool smoke test, and the GPU tests,
+# which report SKIPPED without a GPU), pytest (tests/python, with SPARGE_LIBRARY
+# pointing at the built library) and cargo test (bindings/rust, when cargo is
+# installed). Runs all suites, then exits non-zero if any failed.
+#   BUILD_DIR=build SPARGE_CUDA=AUTO|ON|OFF JOBS=N scripts/test.sh
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$ROOT"
+
+passed=0 failed=0 skipped=0
+results=()
+record() {  # name status(0 ok / 1 failed / 2 skipped) note
+  case "$2" in
+    0) passed=$((passed + 1)); results+=("  PASS  $1 $3") ;;
+    1) failed=$((failed + 1)); results+=("  FAIL  $1 $3") ;;
+    *) skipped=$((skipped + 1)); results+=("  SKIP  $1 $3") ;;
+  esac
+}
+section() { printf '\n==== %s\n' "$*"; }
+t_start=$(date +%s)
+
+section "configure + build ($BUILD_DIR, $BUILD_TYPE, SPARGE_CUDA=$SPARGE_CUDA, -j$JOBS)"
+command -v nvcc >/dev/null 2>&1 && echo "nvcc: $(command -v nvcc) ($(nvcc --version | tail -n 2 | head -n 1))"
+if ! sparge_configure || ! cmake --build "$BUILD_DIR" -j "$JOBS"; then
+  echo "build failed" >&2
+  echo "suites: 0 passed, 1 failed"
+  exit 1
+fi
+echo "build: $(($(date +%s) - t_start)) s"
+LIB="$BUILD_DIR/libsparge.so"
+
+section "ctest"
+if ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"; then
+  record ctest 0 ""
+else
+  record ctest 1 ""
+fi
+if grep -q '^SPARGE_WITH_CUDA' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null || grep -q 'gpu_tests' "$BUILD_DIR/tests/CTestTestfile.cmake" 2>/dev/null; then
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "note: no GPU on this machine: the gpu_tests above are reported as SKIPPED (exit code 77), not run"
+  fi
+fi
+
+section "pytest (tests/python)"
+if [ ! -d tests/python ]; then
+  record pytest 2 "(no tests/python directory)"
+elif ! python3 -c 'import numpy, pytest' >/dev/null 2>&1; then
+  record pytest 2 "(numpy/pytest not installed: run scripts/deps.sh)"
+else
+  SPARGE_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings/python${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m pytest tests/python -q
+  rc=$?
+  if [ $rc -eq 0 ]; then record pytest 0 ""
+  elif [ $rc -eq 5 ]; then record pytest 2 "(no tests collected)"
+  else record pytest 1 "(exit $rc)"; fi
+fi
+
+section "cargo test (bindings/rust)"
+if [ ! -f bindings/rust/Cargo.toml ]; then
+  record cargo 2 "(no bindings/rust/Cargo.toml)"
+elif ! command -v cargo >/dev/null 2>&1; then
+  record cargo 2 "(cargo not installed)"
+else
+  if (cd bindings/rust && SPARGE_LIB_DIR="$BUILD_DIR" LD_LIBRARY_PATH="$BUILD_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        cargo test --offline -j "$JOBS"); then
+    record cargo 0 ""
+  else
+    record cargo 1 ""
+  fi
+fi
+
+section "summary ($(($(date +%s) - t_start)) s)"
+printf '%s\n' "${results[@]}"
+echo "suites: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]
