@@ -1,0 +1,312 @@
+"""The public functions: attention, predict_mask, block_sparse_attention."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _capi as C
+from . import _core as core
+from ._arrays import allocator_for, as_view
+
+ArrayLike = Any
+PerHead = Union[float, Sequence[float], Any]
+
+_TORCH: Any = None
+
+
+def _torch() -> Any:
+    """torch if the program imported it (sparge never imports torch by itself)."""
+    global _TORCH
+    if _TORCH is None:
+        _TORCH = sys.modules.get("torch")
+    return _TORCH
+
+
+def _is_torch(x: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _ops() -> Any:
+    from . import _torch_ops
+
+    return _torch_ops
+
+
+# ------------------------------------------------------------------ visibility (docs/SEMANTICS.md)
+def visible_key_blocks(len_q: int, len_kv: int, block_q: int = 128, block_k: int = 64,
+                       is_causal: bool = False) -> List[int]:
+    """Number of causally visible key blocks of each query block (bottom-right causal rule)."""
+    nqb, nkb = -(-len_q // block_q), -(-len_kv // block_k)
+    if not is_causal:
+        return [nkb] * nqb
+    out = []
+    for qb in range(nqb):
+        last_row = min(qb * block_q + block_q - 1, len_q - 1)
+        last_key = last_row + (len_kv - len_q)
+        out.append(0 if last_key < 0 else min(last_key, len_kv - 1) // block_k + 1)
+    return out
+
+
+def _visibility_matrix(len_q: int, len_kv: int, bq: int, bk: int, causal: bool) -> np.ndarray:
+    vis = visible_key_blocks(len_q, len_kv, bq, bk, causal)
+    nkb = -(-len_kv // bk)
+    return (np.arange(nkb)[None, :] < np.asarray(vis)[:, None]).astype(np.int64)
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_torch(x):
+        return x.detach().cpu().numpy()
+    if hasattr(x, "get"):  # cupy
+        return x.get()
+    return np.asarray(x)
+
+
+def _density_from_mask(mask: Any, s: core.Shapes, bq: int, bk: int, causal: bool) -> float:
+    vm = _visibility_matrix(s.Lq, s.Lkv, bq, bk, causal)
+    total = int(vm.sum()) * s.B * s.Hq
+    if total == 0:
+        return 0.0
+    if _is_torch(mask):
+        t = _torch()
+        kept = (mask.to(t.bool) & t.as_tensor(vm.astype(bool), device=mask.device)).sum().item()
+    else:
+        kept = int(((_to_numpy(mask) != 0) & vm.astype(bool)).sum())
+    return float(kept) / total
+
+
+def _density_from_kept(kept: Any, s: core.Shapes, bq: int, bk: int, causal: bool) -> float:
+    total = sum(visible_key_blocks(s.Lq, s.Lkv, bq, bk, causal)) * s.B * s.Hq
+    if total == 0:
+        return 0.0
+    k = kept.sum().item() if _is_torch(kept) else int(_to_numpy(kept).astype(np.int64).sum())
+    return float(k) / total
+
+
+# ------------------------------------------------------------------ option handling
+class _Resolved:
+    __slots__ = ("opts", "topk_h", "cdf_h", "sim_h", "bq", "bk")
+
+    def __init__(self, opts: core.Options, topk_h: Any, cdf_h: Any, sim_h: Any) -> None:
+        self.opts, self.topk_h, self.cdf_h, self.sim_h = opts, topk_h, cdf_h, sim_h
+        self.bq = opts.block_q or 128
+        self.bk = opts.block_k or 64
+
+
+def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: str, mode: str,
+             cdf_threshold: Optional[PerHead], sim_threshold: PerHead, smooth_k: bool, attention_sink: bool,
+             precision: str, block_size: Any) -> _Resolved:
+    lay = core.parse_layout(layout)
+    md = core.parse_mode(mode)
+    prec = core.parse_precision(precision)
+    bq, bk = core.parse_block_size(block_size)
+    sc = core.parse_scale(scale)
+    topk_s, topk_h = core.split_per_head("topk", topk, 0.0, 1.0, True, 0.5)
+    cdf_s, cdf_h = core.split_per_head("cdf_threshold", cdf_threshold, 0.0, 1.0, True, 0.9)
+    sim_s, sim_h = core.split_per_head("sim_threshold", sim_threshold, -math.inf, math.inf, False, -0.1)
+    opts = core.Options(lay, bool(is_causal), sc, md, topk_s, cdf_s, sim_s, bool(smooth_k),
+                        bool(attention_sink), prec, bq, bk)
+    return _Resolved(opts, topk_h, cdf_h, sim_h)
+
+
+def _split_torch_heads(r: _Resolved) -> Tuple[Any, ...]:
+    """Per-head values -> (tensor-or-None, list-or-None) pairs for the custom op schema."""
+    out: List[Any] = []
+    for h in (r.topk_h, r.cdf_h, r.sim_h):
+        if h is None:
+            out += [None, None]
+        elif _is_torch(h):
+            out += [h, None]
+        else:
+            vals = h.tolist() if hasattr(h, "tolist") else h
+            out += [None, [float(x) for x in vals]]
+    return tuple(out)
+
+
+def _op_scalars(r: _Resolved) -> Tuple[Any, ...]:
+    o = r.opts
+    return (o.layout, o.causal, o.scale, o.mode, o.topk, o.cdf, o.sim, o.smooth_k, o.sink, o.precision,
+            o.block_q, o.block_k)
+
+
+def _normalize_mask(mask: Any) -> Any:
+    """A uint8 block mask (zero-copy for uint8/bool inputs)."""
+    if mask is None:
+        return None
+    if _is_torch(mask):
+        t = _torch()
+        if mask.dtype == t.uint8:
+            return mask
+        if mask.dtype == t.bool:
+            return mask.view(t.uint8)
+        return (mask != 0).to(t.uint8)
+    if isinstance(mask, (np.ndarray, list, tuple)):
+        a = np.asarray(mask)
+        if a.dtype == np.uint8:
+            return a
+        if a.dtype == np.bool_:
+            return a.view(np.uint8)
+        return (a != 0).astype(np.uint8)
+    return mask
+
+
+def _shapes_torch(q: Any, k: Any, layout: int) -> core.Shapes:
+    p = core.PERM[layout]
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise C.InvalidArgumentError("%s must be 4-D, got shape %s" % (name, tuple(t.shape)))
+    return core.Shapes(q.shape[p[0]], q.shape[p[1]], k.shape[p[1]], q.shape[p[2]], k.shape[p[2]], q.shape[p[3]])
+
+
+def _views(stream: Optional[int], **arrays: Any) -> List[Any]:
+    return [as_view(a, name, stream) for name, a in arrays.items()]
+
+
+def _stream_of(stream: Optional[int], qv: Any) -> int:
+    if stream is not None:
+        return int(stream)
+    return int(qv.stream or 0)
+
+
+def _pack(out: Any, sparsity: Optional[float], lse: Any, return_sparsity: bool, return_lse: bool) -> Any:
+    if not return_sparsity and not return_lse:
+        return out
+    res: List[Any] = [out]
+    if return_sparsity:
+        res.append(sparsity)
+    if return_lse:
+        res.append(lse)
+    return tuple(res)
+
+
+# ------------------------------------------------------------------ public API
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, is_causal: bool = False,
+              scale: Optional[float] = None, layout: str = "HND", mask: Optional[ArrayLike] = None,
+              mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
+              smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
+              block_size: Tuple[int, int] = (128, 64), return_sparsity: bool = False,
+              return_lse: bool = False, stream: Optional[int] = None) -> Any:
+    """Block-sparse attention with a predicted (or given) block mask.
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` (layout ``"HND"``) or ``[B, Lq, Hq, D]`` (``"NHD"``); float16, bfloat16
+            or float32 (float32: CPU backend only). numpy arrays run on the CPU backend; torch
+            tensors on CPU or CUDA; other objects through ``__dlpack__`` or
+            ``__cuda_array_interface__``. Any strides with a unit stride on D, no copies.
+        k, v: ``[B, Hkv, Lkv, D]`` in the same layout, dtype and device; ``Hq % Hkv == 0``.
+        topk: fraction of causally visible key blocks kept per query-block row, in (0, 1]
+            (``max(1, floor(topk * visible))`` blocks); a float or one value per query head.
+        is_causal: bottom-right aligned token-exact causality (query i sees key j iff
+            ``j <= i + Lkv - Lq``).
+        scale: softmax scale; None = ``1/sqrt(D)``.
+        layout: ``"HND"`` or ``"NHD"``.
+        mask: optional uint8/bool block mask ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]`` (1 = compute);
+            given, no prediction runs.
+        mode: ``"topk"`` or ``"cdf"`` (keep the smallest set of blocks whose pooled-score
+            probabilities sum to at least ``cdf_threshold``).
+        cdf_threshold: in (0, 1] (CDF mode); None = 0.9. Scalar or per head.
+        sim_threshold: blocks whose self-similarity is below it are kept whole; the default
+            -0.1 disables this. Scalar or per head.
+        smooth_k: subtract the per-head mean of K before prediction and quantization.
+        attention_sink: always keep key block 0.
+        precision: ``"int8_fp8"`` (fast GPU default; on CPU the exact quantization twin, slow),
+            ``"fp16"`` (16-bit tensor-core math) or ``"exact"`` (float64, CPU only).
+        block_size: mask block ``(BQ, BK)``; default (128, 64).
+        return_sparsity: also return the block density ``kept / visible`` over all heads (a
+            Python float: this synchronizes the host with the device).
+        return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]`` (natural log).
+        stream: CUDA stream handle for non-torch CUDA inputs (default: the
+            ``__cuda_array_interface__`` stream of q, else the default stream). torch tensors
+            always use ``torch.cuda.current_stream()``.
+
+    Returns:
+        ``out`` (q's shape and layout, q's dtype), or a tuple ``(out, density)``,
+        ``(out, lse)`` or ``(out, density, lse)``.
+
+    Raises:
+        InvalidArgumentError, UnsupportedError, NoDeviceError, CudaError, ... (SpargeError).
+    """
+    r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
+                 cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
+                 attention_sink=attention_sink, precision=precision, block_size=block_size)
+    mask = _normalize_mask(mask)
+    if _is_torch(q):
+        for name, t in (("k", k), ("v", v)) + ((("mask", mask),) if mask is not None else ()):
+            if not _is_torch(t):
+                raise C.InvalidArgumentError("%s must be a torch tensor like q, got %s" % (name, type(t).__name__))
+        want_kept = return_sparsity and mask is None
+        out, lse, kept = _ops().attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
+                                               bool(return_lse), bool(want_kept))
+        density = None
+        if return_sparsity:
+            s = _shapes_torch(q, k, r.opts.layout)
+            density = (_density_from_kept(kept, s, r.bq, r.bk, r.opts.causal) if mask is None
+                       else _density_from_mask(mask, s, r.bq, r.bk, r.opts.causal))
+        return _pack(out, density, lse if return_lse else None, return_sparsity, return_lse)
+
+    qv, kv, vv = _views(stream, q=q, k=k, v=v)
+    s = core.check_qkv(qv, kv, vv, r.opts.layout)
+    alloc = allocator_for(q, qv)
+    mv = as_view(mask, "mask", stream) if mask is not None else None
+    want_kept = return_sparsity and mask is None
+    out, lse, kept, plan = core.attention(alloc, qv, kv, vv, s, r.opts, _stream_of(stream, qv), mask=mv,
+                                          topk_h=r.topk_h, cdf_h=r.cdf_h, sim_h=r.sim_h,
+                                          want_lse=return_lse, want_kept=want_kept)
+    del qv, kv, vv, mv  # releases consumed DLPack capsules
+    density = None
+    if return_sparsity:
+        density = (_density_from_kept(kept, s, plan.block_q, plan.block_k, r.opts.causal) if mask is None
+                   else _density_from_mask(mask, s, plan.block_q, plan.block_k, r.opts.causal))
+    return _pack(out, density, lse, return_sparsity, return_lse)
+
+
+def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: bool = False,
+                 scale: Optional[float] = None, layout: str = "HND", mode: str = "topk",
+                 cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
+                 smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
+                 block_size: Tuple[int, int] = (128, 64), return_kept: bool = False,
+                 stream: Optional[int] = None) -> Any:
+    """Predicts the block mask that :func:`attention` would use.
+
+    Same arguments as :func:`attention` (v is not needed). Returns the uint8 mask
+    ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]`` in q's framework and memory space, or
+    ``(mask, kept)`` with ``return_kept`` (int32 ``[B, Hq]`` kept-block counts).
+    """
+    r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
+                 cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
+                 attention_sink=attention_sink, precision=precision, block_size=block_size)
+    if _is_torch(q):
+        if not _is_torch(k):
+            raise C.InvalidArgumentError("k must be a torch tensor like q, got %s" % type(k).__name__)
+        mask, kept = _ops().predict_call(q, k, *_split_torch_heads(r), *_op_scalars(r))
+    else:
+        qv, kv = _views(stream, q=q, k=k)
+        s = core.check_qkv(qv, kv, None, r.opts.layout)
+        mask, kept, _ = core.predict(allocator_for(q, qv), qv, kv, s, r.opts, _stream_of(stream, qv),
+                                     r.topk_h, r.cdf_h, r.sim_h, want_kept=return_kept)
+        del qv, kv
+    return (mask, kept) if return_kept else mask
+
+
+def block_sparse_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike, *,
+                           is_causal: bool = False, scale: Optional[float] = None, layout: str = "HND",
+                           precision: str = "int8_fp8", block_size: Tuple[int, int] = (128, 64),
+                           return_sparsity: bool = False, return_lse: bool = False,
+                           stream: Optional[int] = None) -> Any:
+    """Attention restricted to the blocks of a given mask (no prediction).
+
+    ``mask``: uint8 or bool ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]``, 1 = compute, in q's memory
+    space. Blocks that causality hides are skipped whatever the mask says. Other arguments and
+    the return value as in :func:`attention`.
+    """
+    if mask is None:
+        raise C.InvalidArgumentError("mask is required (use attention() to predict one)")
+    return attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, layout=layout,
+                     precision=precision, block_size=block_size, return_sparsity=return_sparsity,
+                     return_lse=return_lse, stream=stream)

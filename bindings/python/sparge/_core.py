@@ -1,0 +1,348 @@
+"""Plans (cached), argument checking, and the calls into the library.
+
+Framework-neutral: works on :class:`~sparge._arrays.View` objects plus an
+allocator that creates outputs/workspaces in the inputs' framework.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import math
+import threading
+import weakref
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+
+from . import _capi as C
+from ._arrays import View, dtype_name
+
+LAYOUTS = {"HND": 0, "NHD": 1}
+MODES = {"topk": C.SELECT_TOPK, "cdf": C.SELECT_CDF}
+PRECISIONS = {"int8_fp8": C.PRECISION_INT8_FP8, "fp16": C.PRECISION_FP16, "exact": C.PRECISION_EXACT}
+
+# logical [B, H, L, D] dim i is dim PERM[layout][i] of the user's tensor
+PERM = {0: (0, 1, 2, 3), 1: (0, 2, 1, 3)}
+
+PerHead = Union[float, Sequence[float], Any]
+
+
+class Options(NamedTuple):
+    """Resolved, validated options of one call (hashable apart from per-head values)."""
+
+    layout: int
+    causal: bool
+    scale: float  # 0 = library default 1/sqrt(D)
+    mode: int
+    topk: float
+    cdf: float
+    sim: float
+    smooth_k: bool
+    sink: bool
+    precision: int
+    block_q: int
+    block_k: int
+
+
+# ------------------------------------------------------------------ argument checking
+def _arg_error(msg: str) -> C.InvalidArgumentError:
+    return C.InvalidArgumentError(msg)
+
+
+def parse_layout(layout: str) -> int:
+    if layout not in LAYOUTS:
+        raise _arg_error("layout must be 'HND' ([B, H, L, D]) or 'NHD' ([B, L, H, D]), got %r" % (layout,))
+    return LAYOUTS[layout]
+
+
+def parse_mode(mode: str) -> int:
+    if mode not in MODES:
+        raise _arg_error("mode must be 'topk' or 'cdf', got %r" % (mode,))
+    return MODES[mode]
+
+
+def parse_precision(precision: str) -> int:
+    if precision not in PRECISIONS:
+        raise _arg_error("precision must be 'int8_fp8', 'fp16' or 'exact', got %r" % (precision,))
+    return PRECISIONS[precision]
+
+
+def parse_block_size(block_size: Any) -> Tuple[int, int]:
+    try:
+        bq, bk = block_size
+        bq, bk = int(bq), int(bk)
+    except (TypeError, ValueError):
+        raise _arg_error("block_size must be a pair (block_q, block_k) of ints, got %r" % (block_size,)) from None
+    if bq < 0 or bk < 0:
+        raise _arg_error("block_size must be non-negative (0 = library default), got %r" % (block_size,))
+    return bq, bk
+
+
+def parse_scale(scale: Optional[float]) -> float:
+    if scale is None:
+        return 0.0
+    s = float(scale)
+    if not math.isfinite(s) or s <= 0.0:
+        raise _arg_error("scale must be a positive finite number or None (1/sqrt(D)), got %r" % (scale,))
+    return s
+
+
+def _is_seq(x: Any) -> bool:
+    return not isinstance(x, (int, float)) and (hasattr(x, "__len__") or hasattr(x, "shape"))
+
+
+def split_per_head(name: str, value: Any, lo: float, hi: float, lo_open: bool, default: float
+                   ) -> Tuple[float, Optional[Any]]:
+    """A scalar or per-head value -> (scalar, per-head-or-None). Checks the range when possible."""
+    if value is None:
+        return default, None
+    if _is_seq(value):
+        shape = getattr(value, "shape", None)
+        if shape is not None and len(shape) != 1:
+            raise _arg_error("%s given per head must be 1-D, got shape %s" % (name, tuple(shape)))
+        if not hasattr(value, "device") or getattr(getattr(value, "device", None), "type", "cpu") == "cpu":
+            vals = [float(x) for x in (value.tolist() if hasattr(value, "tolist") else value)]
+            for x in vals:
+                _check_range(name, x, lo, hi, lo_open)
+        return default, value
+    x = float(value)
+    _check_range(name, x, lo, hi, lo_open)
+    return x, None
+
+
+def _check_range(name: str, x: float, lo: float, hi: float, lo_open: bool) -> None:
+    bad = not math.isfinite(x) or x > hi or (x <= lo if lo_open else x < lo)
+    if bad:
+        raise _arg_error("%s must be in %s%g, %g], got %r" % (name, "(" if lo_open else "[", lo, hi, x))
+
+
+def per_head_len(value: Any) -> int:
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if shape is not None else len(value)
+
+
+class Shapes(NamedTuple):
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lkv: int
+    D: int
+
+
+def check_qkv(q: View, k: View, v: Optional[View], layout: int, need_float: bool = True) -> Shapes:
+    """Shape/dtype/device checks with messages naming the argument."""
+    lname = "HND" if layout == 0 else "NHD"
+    form = "[B, H, L, D]" if layout == 0 else "[B, L, H, D]"
+    views = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
+    for name, t in views:
+        if t.ndim != 4:
+            raise _arg_error("%s must be 4-D %s (layout %r), got shape %s" % (name, form, lname, t.shape))
+        if t.dtype not in (C.DTYPE_FLOAT16, C.DTYPE_BFLOAT16, C.DTYPE_FLOAT32) or (
+                t.src_dtype in ("bool",)):
+            raise _arg_error("%s has dtype %s; expected float16, bfloat16 or float32" % (name, t.src_dtype))
+        if t.strides[3] != 1 and t.shape[3] > 1:
+            raise _arg_error("%s must have unit stride on the head dimension D, got strides %s"
+                             % (name, t.strides))
+    for name, t in views[1:]:
+        if t.dtype != q.dtype:
+            raise _arg_error("%s has dtype %s but q has %s; q, k and v must share one dtype"
+                             % (name, t.src_dtype, q.src_dtype))
+        if (t.device_type, t.device_id) != (q.device_type, q.device_id):
+            raise _arg_error("%s is on %s but q is on %s; all tensors must be on one device"
+                             % (name, t.device_str(), q.device_str()))
+    p = PERM[layout]
+    B, Hq, Lq, D = (q.shape[i] for i in p)
+    Bk, Hkv, Lkv, Dk = (k.shape[i] for i in p)
+    if Bk != B:
+        raise _arg_error("k has batch %d but q has %d" % (Bk, B))
+    if Dk != D:
+        raise _arg_error("k has head_dim %d but q has %d" % (Dk, D))
+    if Hkv <= 0 or Hq % Hkv:
+        raise _arg_error("q has %d heads, k has %d: q heads must be a multiple of k heads (GQA/MQA)" % (Hq, Hkv))
+    if v is not None:
+        vs = tuple(v.shape[i] for i in p)
+        if vs != (B, Hkv, Lkv, D):
+            raise _arg_error("v has logical shape %s [B, H, L, D] but k has %s; they must match"
+                             % (vs, (B, Hkv, Lkv, D)))
+    return Shapes(B, Hq, Hkv, Lq, Lkv, D)
+
+
+# ------------------------------------------------------------------ plans
+def _destroy_plan(handle: int) -> None:
+    try:
+        C.lib.sparge_destroy_plan(handle)
+    except Exception:  # interpreter shutdown: the library may already be gone
+        pass
+
+
+class Plan:
+    """An owned ``sparge_plan_t``; destroyed by a finalizer when dropped from the cache."""
+
+    def __init__(self, key: Tuple[Any, ...]) -> None:
+        (B, Hq, Hkv, Lq, Lkv, D, dtype, dev_type, dev_id, precision, causal, scale, bq, bk) = key
+        prob = C.SpargeProblem(batch=B, heads_q=Hq, heads_kv=Hkv, len_q=Lq, len_kv=Lkv, head_dim=D,
+                               dtype=dtype, device_type=dev_type, device_id=dev_id, precision=precision,
+                               causal=int(causal), scale=scale, block_q=bq, block_k=bk)
+        h = ctypes.c_void_p()
+        C.check(C.lib.sparge_create_plan(ctypes.byref(prob), ctypes.byref(h)), "sparge_create_plan")
+        self.handle: int = h.value or 0
+        self._finalizer = weakref.finalize(self, _destroy_plan, self.handle)
+        nbytes = ctypes.c_size_t()
+        C.check(C.lib.sparge_plan_workspace_size(self.handle, ctypes.byref(nbytes)), "sparge_plan_workspace_size")
+        self.workspace_bytes: int = nbytes.value
+        resolved = C.SpargeProblem()
+        C.check(C.lib.sparge_plan_get_problem(self.handle, ctypes.byref(resolved)), "sparge_plan_get_problem")
+        self.scale = float(resolved.scale)
+        self.block_q = int(resolved.block_q)
+        self.block_k = int(resolved.block_k)
+        vis = ctypes.c_int64()
+        C.check(C.lib.sparge_plan_visible_blocks(self.handle, ctypes.byref(vis)), "sparge_plan_visible_blocks")
+        self.visible_per_head: int = vis.value
+        self.nqb = -(-Lq // self.block_q)
+        self.nkb = -(-Lkv // self.block_k)
+        self.key = key
+
+    def destroy(self) -> None:
+        self._finalizer()
+
+
+class PlanCache:
+    """LRU cache of plans keyed by problem (shapes, dtype, device, precision, causal, scale, blocks)."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._d: "collections.OrderedDict[Tuple[Any, ...], Plan]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Tuple[Any, ...]) -> Plan:
+        with self._lock:
+            p = self._d.get(key)
+            if p is not None:
+                self._d.move_to_end(key)
+                return p
+        p = Plan(key)  # outside the lock: plan creation may query the driver
+        with self._lock:
+            old = self._d.get(key)
+            if old is not None:
+                p.destroy()
+                self._d.move_to_end(key)
+                return old
+            self._d[key] = p
+            while len(self._d) > self.capacity:
+                self._d.popitem(last=False)  # the finalizer destroys it once unreferenced
+            return p
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+PLANS = PlanCache()
+
+
+def plan_key(s: Shapes, q: View, opts: Options) -> Tuple[Any, ...]:
+    return (s.B, s.Hq, s.Hkv, s.Lq, s.Lkv, s.D, q.dtype, q.device_type, q.device_id, opts.precision,
+            bool(opts.causal), float(opts.scale), opts.block_q, opts.block_k)
+
+
+def get_plan(s: Shapes, q: View, opts: Options) -> Plan:
+    return PLANS.get(plan_key(s, q, opts))
+
+
+# ------------------------------------------------------------------ calls
+def _params(opts: Options, alloc: Any, like: View, Hq: int,
+            topk_h: Any, cdf_h: Any, sim_h: Any) -> Tuple[C.SpargePredictParams, list]:
+    keep = []
+    ptrs = []
+    for name, vals in (("topk", topk_h), ("cdf_threshold", cdf_h), ("sim_threshold", sim_h)):
+        if vals is None:
+            ptrs.append(None)
+            continue
+        n = per_head_len(vals)
+        if n != Hq:
+            raise _arg_error("%s has %d per-head values but q has %d heads" % (name, n, Hq))
+        ptr, obj = alloc.per_head(vals, like)
+        keep.append(obj)
+        ptrs.append(ptr)
+    p = C.SpargePredictParams(mode=opts.mode, topk=opts.topk, cdf_threshold=opts.cdf,
+                              sim_threshold=opts.sim, smooth_k=int(opts.smooth_k),
+                              attention_sink=int(opts.sink), topk_per_head=ptrs[0],
+                              cdf_threshold_per_head=ptrs[1], sim_threshold_per_head=ptrs[2],
+                              pv_threshold=0.0)
+    return p, keep
+
+
+def out_shape(s: Shapes, layout: int) -> Tuple[int, int, int, int]:
+    return (s.B, s.Hq, s.Lq, s.D) if layout == 0 else (s.B, s.Lq, s.Hq, s.D)
+
+
+def check_mask(m: View, s: Shapes, plan: Plan, q: View) -> None:
+    want = (s.B, s.Hq, plan.nqb, plan.nkb)
+    if m.ndim != 4 or m.shape != want:
+        raise _arg_error("mask must have shape [B, Hq, ceil(Lq/%d), ceil(Lkv/%d)] = %s, got %s"
+                         % (plan.block_q, plan.block_k, want, m.shape))
+    if m.dtype != C.DTYPE_UINT8:
+        raise _arg_error("mask must be uint8 or bool, got %s" % m.src_dtype)
+    if (m.device_type, m.device_id) != (q.device_type, q.device_id):
+        raise _arg_error("mask is on %s but q is on %s" % (m.device_str(), q.device_str()))
+
+
+def predict(alloc: Any, q: View, k: View, s: Shapes, opts: Options, stream: int,
+            topk_h: Any = None, cdf_h: Any = None, sim_h: Any = None, want_kept: bool = False,
+            plan: Optional[Plan] = None) -> Tuple[Any, Optional[Any], Plan]:
+    """Runs sparge_predict_mask; returns (mask, kept or None, plan)."""
+    plan = plan or get_plan(s, q, opts)
+    mask, mv = alloc.empty((s.B, s.Hq, plan.nqb, plan.nkb), "uint8", q)
+    kept, kv_ = (alloc.empty((s.B, s.Hq), "int32", q) if want_kept else (None, None))
+    params, keep = _params(opts, alloc, q, s.Hq, topk_h, cdf_h, sim_h)
+    ws, ws_obj = alloc.workspace(plan.workspace_bytes, q, stream)
+    perm = PERM[opts.layout]
+    qd, kd = q.descriptor(perm), k.descriptor(perm)
+    md = mv.descriptor()
+    kd_ = kv_.descriptor() if kv_ is not None else None
+    st = C.lib.sparge_predict_mask(plan.handle, ctypes.byref(qd), ctypes.byref(kd), ctypes.byref(params),
+                                   ctypes.byref(md), ctypes.byref(kd_) if kd_ is not None else None,
+                                   ws, plan.workspace_bytes, stream or None)
+    del keep, ws_obj
+    C.check(st, "sparge_predict_mask")
+    return mask, kept, plan
+
+
+def attention(alloc: Any, q: View, k: View, v: View, s: Shapes, opts: Options, stream: int,
+              mask: Optional[View] = None, topk_h: Any = None, cdf_h: Any = None, sim_h: Any = None,
+              want_lse: bool = False, want_kept: bool = False
+              ) -> Tuple[Any, Optional[Any], Optional[Any], Plan]:
+    """Runs sparge_attention_run; returns (out, lse or None, kept or None, plan).
+
+    With ``want_kept`` (and no mask) the mask is predicted first by
+    sparge_predict_mask so the kept-block counts are available.
+    """
+    plan = get_plan(s, q, opts)
+    kept = None
+    mask_keep = None
+    if mask is None and want_kept:
+        mask_obj, kept, _ = predict(alloc, q, k, s, opts, stream, topk_h, cdf_h, sim_h, True, plan)
+        mask_keep = mask_obj
+        from ._arrays import as_view
+
+        mask = as_view(mask_obj, "mask")
+    if mask is not None:
+        check_mask(mask, s, plan, q)
+    out, ov = alloc.empty(out_shape(s, opts.layout), dtype_name(q.dtype), q)
+    lse, lv = (alloc.empty((s.B, s.Hq, s.Lq), "float32", q) if want_lse else (None, None))
+    params, keep = _params(opts, alloc, q, s.Hq, topk_h, cdf_h, sim_h)
+    ws, ws_obj = alloc.workspace(plan.workspace_bytes, q, stream)
+    perm = PERM[opts.layout]
+    qd, kd, vd, od = q.descriptor(perm), k.descriptor(perm), v.descriptor(perm), ov.descriptor(perm)
+    md = mask.descriptor() if mask is not None else None
+    ld = lv.descriptor() if lv is not None else None
+    st = C.lib.sparge_attention_run(plan.handle, ctypes.byref(qd), ctypes.byref(kd), ctypes.byref(vd),
+                                    ctypes.byref(md) if md is not None else None, ctypes.byref(params),
+                                    ctypes.byref(od), ctypes.byref(ld) if ld is not None else None,
+                                    ws, plan.workspace_bytes, stream or None)
+    del keep, ws_obj, mask_keep
+    C.check(st, "sparge_attention_run")
+    return out, lse, kept, plan

@@ -1,0 +1,245 @@
+"""Drop-in replacements for the original SpargeAttn Python API.
+
+Change one import::
+
+    # from spas_sage_attn import spas_sage2_attn_meansim_topk_cuda
+    from sparge.compat import spas_sage2_attn_meansim_topk_cuda   # or: from spas_sage_attn import ...
+
+The signatures follow the original functions (including the positional
+``attn_mask`` and ``dropout_p`` after ``v``, as in
+``torch.nn.functional.scaled_dot_product_attention``). Differences, all
+deliberate:
+
+* ``pvthreshd`` is accepted and ignored: libsparge reserves PV skip (a positive
+  ``pv_threshold`` is UNSUPPORTED). A ``UserWarning`` is issued once per process
+  the first time a value other than the default 50 is passed.
+* ``output_dtype``: by default the output has the dtype the computation ran in,
+  as in the original (float16 and bfloat16 inputs keep their dtype; float32
+  CUDA tensors are computed in float16). Pass a dtype explicitly to cast.
+* ``return_sparsity`` returns the fraction of causally visible blocks that were
+  *skipped* (``1 - kept/visible``), as the original did (with the exact visible
+  count instead of the original's causal approximation).
+* Causality is exact at token level and bottom-right aligned.
+* ``attn_mask`` (a dense mask) and ``dropout_p > 0`` are not supported
+  (:class:`sparge.UnsupportedError`); head dims and sequence lengths are not
+  restricted to the original's 64/128 and >= 128.
+* numpy arrays (and CPU torch tensors) run on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _capi as C
+from ._api import _is_torch, _torch, attention
+
+__all__ = [
+    "spas_sage2_attn_meansim_topk_cuda",
+    "spas_sage2_attn_meansim_cuda",
+    "spas_sage_attn_meansim_topk_cuda",
+    "spas_sage_attn_meansim_cuda",
+    "block_sparse_sage2_attn_cuda",
+]
+
+
+class _AsComputed:
+    """Default of ``output_dtype``: keep the dtype the attention was computed in."""
+
+    def __repr__(self) -> str:
+        return "<as computed>"
+
+
+AS_COMPUTED: Any = _AsComputed()
+
+_PV_DEFAULT = 50
+_pv_warned = False
+
+
+def _compiling() -> bool:
+    t = sys.modules.get("torch")
+    try:
+        return bool(t is not None and t.compiler.is_compiling())
+    except AttributeError:
+        return False
+
+
+def _note_pvthreshd(pvthreshd: Any) -> None:
+    global _pv_warned
+    if _pv_warned or pvthreshd is None or _compiling():
+        return
+    try:
+        default = float(pvthreshd) == _PV_DEFAULT
+    except (TypeError, ValueError):
+        default = False  # a per-head tensor/list
+    if not default:
+        _pv_warned = True
+        warnings.warn("pvthreshd is accepted for compatibility and ignored: libsparge has no PV skip "
+                      "(this warning is shown once)", UserWarning, stacklevel=3)
+
+
+def _unsupported_extras(attn_mask: Any, dropout_p: float) -> None:
+    if attn_mask is not None:
+        raise C.UnsupportedError("attn_mask (a dense mask) is not supported; use block_sparse_sage2_attn_cuda "
+                                 "with a block mask, or is_causal=True")
+    if dropout_p:
+        raise C.UnsupportedError("dropout_p must be 0 (inference only), got %r" % (dropout_p,))
+
+
+def _prepare(q: Any, k: Any, v: Any) -> tuple:
+    """float32 CUDA torch tensors are computed in float16, like the original."""
+    if _is_torch(q) and q.is_cuda and q.dtype == _torch().float32:
+        h = _torch().float16
+        return q.to(h), k.to(h), v.to(h)
+    return q, k, v
+
+
+def _cast(out: Any, output_dtype: Any) -> Any:
+    if output_dtype is AS_COMPUTED or output_dtype is None:
+        return out
+    if _is_torch(out):
+        t = _torch()
+        dt = output_dtype if isinstance(output_dtype, t.dtype) else getattr(t, str(np.dtype(output_dtype)))
+        return out if out.dtype == dt else out.to(dt)
+    if isinstance(out, np.ndarray):
+        try:
+            dt = np.dtype(output_dtype)
+        except TypeError:  # a torch dtype
+            dt = np.dtype(str(output_dtype).replace("torch.", ""))
+        return out if out.dtype == dt else out.astype(dt)
+    return out
+
+
+def _finish(res: Any, output_dtype: Any, return_sparsity: bool, return_lse: bool) -> Any:
+    if return_sparsity:
+        out, density = res
+        return _cast(out, output_dtype), 1.0 - density
+    if return_lse:
+        out, lse = res
+        return _cast(out, output_dtype), lse
+    return _cast(res, output_dtype)
+
+
+def _predicted(q: Any, k: Any, v: Any, *, attn_mask: Any, dropout_p: float, is_causal: bool,
+               scale: Optional[float], smooth_k: bool, simthreshd1: Any, cdfthreshd: Any, topk: Any,
+               pvthreshd: Any, attention_sink: bool, tensor_layout: str, output_dtype: Any,
+               return_sparsity: bool, return_lse: bool, precision: str) -> Any:
+    _unsupported_extras(attn_mask, dropout_p)
+    _note_pvthreshd(pvthreshd)
+    q, k, v = _prepare(q, k, v)
+    if topk is not None:
+        mode, cdf = "topk", None
+    else:
+        mode, cdf = "cdf", (cdfthreshd if cdfthreshd is not None else 0.98)
+    res = attention(q, k, v, topk=topk if topk is not None else 0.5, is_causal=is_causal, scale=scale,
+                    layout=tensor_layout, mode=mode, cdf_threshold=cdf, sim_threshold=simthreshd1,
+                    smooth_k=smooth_k, attention_sink=attention_sink, precision=precision,
+                    return_sparsity=return_sparsity, return_lse=return_lse and not return_sparsity)
+    return _finish(res, output_dtype, return_sparsity, return_lse)
+
+
+def spas_sage2_attn_meansim_topk_cuda(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                                      is_causal: bool = False, scale: Optional[float] = None,
+                                      smooth_k: bool = True, simthreshd1: Any = -0.1, cdfthreshd: Any = None,
+                                      topk: Any = 0.5, pvthreshd: Any = 50, attention_sink: bool = False,
+                                      tensor_layout: str = "HND", output_dtype: Any = AS_COMPUTED,
+                                      return_sparsity: bool = False, return_lse: bool = False) -> Any:
+    """SpargeAttn (int8 Q·K, fp8 P·V) with per-row top-k block selection — the recommended API.
+
+    Keeps ``max(1, floor(topk * visible))`` key blocks of each 128-query block row (higher topk:
+    more accurate, slower). ``cdfthreshd`` is ignored unless ``topk`` is None (then CDF mode).
+    ``pvthreshd`` is accepted and ignored (no PV skip; one-time warning for non-default values).
+    ``output_dtype``: default = the computed dtype; pass one to cast. Returns ``out``,
+    ``(out, sparsity)`` with ``return_sparsity`` (fraction of visible blocks skipped) or
+    ``(out, lse)`` with ``return_lse`` (natural log, float32 ``[B, H, L]``).
+    """
+    return _predicted(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      smooth_k=smooth_k, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, topk=topk,
+                      pvthreshd=pvthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
+                      output_dtype=output_dtype, return_sparsity=return_sparsity, return_lse=return_lse,
+                      precision="int8_fp8")
+
+
+def spas_sage2_attn_meansim_cuda(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None, smooth_k: bool = True,
+                                 simthreshd1: Any = 0.6, cdfthreshd: Any = 0.98, pvthreshd: Any = 50,
+                                 attention_sink: bool = False, tensor_layout: str = "HND",
+                                 output_dtype: Any = AS_COMPUTED, return_sparsity: bool = False,
+                                 return_lse: bool = False) -> Any:
+    """SpargeAttn (int8 Q·K, fp8 P·V) with CDF block selection (keep the smallest set of blocks
+    whose pooled probabilities reach ``cdfthreshd``; blocks with self-similarity below
+    ``simthreshd1`` are kept whole). ``pvthreshd`` is accepted and ignored (one-time warning for
+    non-default values). Returns as :func:`spas_sage2_attn_meansim_topk_cuda`.
+    """
+    return _predicted(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      smooth_k=smooth_k, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, topk=None,
+                      pvthreshd=pvthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
+                      output_dtype=output_dtype, return_sparsity=return_sparsity, return_lse=return_lse,
+                      precision="int8_fp8")
+
+
+def spas_sage_attn_meansim_topk_cuda(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                                     is_causal: bool = False, scale: Optional[float] = None,
+                                     smooth_k: bool = True, simthreshd1: Any = -0.1, cdfthreshd: Any = None,
+                                     topk: Any = 0.5, pvthreshd: Any = 50, attention_sink: bool = False,
+                                     tensor_layout: str = "HND", output_dtype: Any = AS_COMPUTED,
+                                     return_sparsity: bool = False, return_lse: bool = False) -> Any:
+    """As :func:`spas_sage2_attn_meansim_topk_cuda`, with 16-bit P·V: runs libsparge's ``fp16``
+    precision mode (Q, K, P, V in the input's 16-bit type, fp32 accumulation)."""
+    return _predicted(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      smooth_k=smooth_k, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, topk=topk,
+                      pvthreshd=pvthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
+                      output_dtype=output_dtype, return_sparsity=return_sparsity, return_lse=return_lse,
+                      precision="fp16")
+
+
+def spas_sage_attn_meansim_cuda(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                                is_causal: bool = False, scale: Optional[float] = None, smooth_k: bool = True,
+                                simthreshd1: Any = 0.6, cdfthreshd: Any = 0.98, pvthreshd: Any = 50,
+                                attention_sink: bool = False, tensor_layout: str = "HND",
+                                output_dtype: Any = AS_COMPUTED, return_sparsity: bool = False,
+                                return_lse: bool = False) -> Any:
+    """As :func:`spas_sage2_attn_meansim_cuda` (CDF selection), with libsparge's ``fp16``
+    precision mode."""
+    return _predicted(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      smooth_k=smooth_k, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, topk=None,
+                      pvthreshd=pvthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
+                      output_dtype=output_dtype, return_sparsity=return_sparsity, return_lse=return_lse,
+                      precision="fp16")
+
+
+def _full_mask(q: Any, k: Any, tensor_layout: str) -> Any:
+    hd = 1 if tensor_layout == "HND" else 2
+    ld = 2 if tensor_layout == "HND" else 1
+    shape = (q.shape[0], q.shape[hd], -(-q.shape[ld] // 128), -(-k.shape[ld] // 64))
+    if _is_torch(q):
+        return _torch().ones(shape, dtype=_torch().uint8, device=q.device)
+    return np.ones(shape, dtype=np.uint8)
+
+
+def block_sparse_sage2_attn_cuda(q: Any, k: Any, v: Any, mask_id: Any = None, dropout_p: float = 0.0,
+                                 scale: Optional[float] = None, smooth_k: bool = True, pvthreshd: Any = 50,
+                                 attention_sink: bool = False, tensor_layout: str = "HND",
+                                 output_dtype: Any = AS_COMPUTED, return_sparsity: bool = False,
+                                 return_lse: bool = False, is_causal: bool = False) -> Any:
+    """Attention on a user block mask (int8 Q·K, fp8 P·V).
+
+    ``mask_id``: ``[B, H, ceil(Lq/128), ceil(Lkv/64)]`` of 0/1 (any integer or bool dtype; uint8
+    and bool are used without a copy); None = all blocks. ``smooth_k`` and ``attention_sink`` are
+    accepted for compatibility (K smoothing is always applied to the quantization; a given mask is
+    used as is). ``is_causal`` is an addition (default False, as the original had no causality
+    here). ``pvthreshd`` is accepted and ignored (one-time warning for non-default values).
+    """
+    _unsupported_extras(None, dropout_p)
+    _note_pvthreshd(pvthreshd)
+    if tensor_layout not in ("HND", "NHD"):
+        raise C.InvalidArgumentError("tensor_layout must be 'HND' or 'NHD', got %r" % (tensor_layout,))
+    q, k, v = _prepare(q, k, v)
+    mask = mask_id if mask_id is not None else _full_mask(q, k, tensor_layout)
+    res = attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, layout=tensor_layout,
+                    precision="int8_fp8", return_sparsity=return_sparsity,
+                    return_lse=return_lse and not return_sparsity)
+    return _finish(res, output_dtype, return_sparsity, return_lse)

@@ -1,0 +1,225 @@
+"""sparge.attention / block_sparse_attention on the CPU backend vs a float64 numpy reference."""
+
+import numpy as np
+import pytest
+
+import ref
+import sparge
+from helpers import TOL, make_qkv
+
+PRECISION_DTYPES = [("exact", np.float32), ("fp16", np.float16), ("int8_fp8", np.float16)]
+
+
+def assert_close(out, expect, precision, what="out"):
+    out = np.asarray(out, dtype=np.float64)
+    assert np.all(np.isfinite(out)), what + " has non-finite values"
+    t = TOL[precision]
+    if precision == "exact":
+        np.testing.assert_allclose(out, expect, atol=t["atol"], rtol=t["rtol"], err_msg=what)
+    else:
+        err = ref.rel_l1(out, expect)
+        assert err <= t["rel_l1"], "%s rel-L1 %.4g > %.4g" % (what, err, t["rel_l1"])
+        if "cos" in t:
+            c = ref.cosine(out, expect)
+            assert c >= t["cos"], "%s cosine %.6f < %.4f" % (what, c, t["cos"])
+
+
+def check_lse(lse, expect, precision):
+    assert lse.dtype == np.float32 and lse.shape == expect.shape
+    lse = np.asarray(lse, dtype=np.float64)
+    fin = np.isfinite(expect)
+    assert np.array_equal(np.isfinite(lse), fin), "LSE -inf rows differ"
+    assert np.all(lse[~fin] == -np.inf)
+    tol = 1e-4 if precision == "exact" else 2e-2
+    np.testing.assert_allclose(lse[fin], expect[fin], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("precision,dtype", PRECISION_DTYPES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_equals_reference(rng, precision, dtype, layout, causal):
+    q, k, v = make_qkv(rng, dtype=dtype, layout=layout)
+    out, lse = sparge.attention(q, k, v, topk=1.0, is_causal=causal, layout=layout, precision=precision,
+                                return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and isinstance(out, np.ndarray)
+    expect, else_ = ref.attention(q, k, v, causal=causal, layout=layout)
+    assert_close(out, expect, precision)
+    check_lse(lse, else_, precision)
+
+
+@pytest.mark.parametrize("precision,dtype", PRECISION_DTYPES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("topk", [0.2, 0.5])
+def test_sparse_equals_reference_on_predicted_mask(rng, precision, dtype, layout, topk):
+    q, k, v = make_qkv(rng, Lq=384, Lkv=512, dtype=dtype, layout=layout)
+    opts = dict(topk=topk, layout=layout, precision=precision)
+    mask = sparge.predict_mask(q, k, **opts)
+    out = sparge.attention(q, k, v, **opts)
+    expect, _ = ref.attention(q, k, v, mask=mask, layout=layout)
+    assert_close(out, expect, precision)
+    # the same mask passed explicitly gives the same bits
+    out2 = sparge.block_sparse_attention(q, k, v, mask, layout=layout, precision=precision)
+    np.testing.assert_array_equal(out2, out)
+
+
+@pytest.mark.parametrize("Lq,Lkv", [(100, 300), (300, 100), (129, 64), (1, 257), (200, 200)])
+@pytest.mark.parametrize("precision,dtype", [("exact", np.float32), ("int8_fp8", np.float16)])
+def test_causal_bottom_right_lq_ne_lkv(rng, Lq, Lkv, precision, dtype):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=Lq, Lkv=Lkv, D=32, dtype=dtype)
+    out, lse = sparge.attention(q, k, v, topk=1.0, is_causal=True, precision=precision, return_lse=True)
+    expect, else_ = ref.attention(q, k, v, causal=True)
+    assert_close(out, expect, precision)
+    check_lse(lse, else_, precision)
+    if Lq > Lkv:  # leading rows see no key: zeros and -inf
+        dead = Lq - Lkv
+        assert np.all(np.asarray(out)[:, :, :dead] == 0)
+        assert np.all(np.asarray(lse)[:, :, :dead] == -np.inf)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_mqa(rng, Hq, Hkv, causal):
+    q, k, v = make_qkv(rng, B=1, Hq=Hq, Hkv=Hkv, Lq=256, Lkv=320, D=48)
+    mask = sparge.predict_mask(q, k, topk=0.4, is_causal=causal, precision="exact")
+    out = sparge.attention(q, k, v, topk=0.4, is_causal=causal, precision="exact")
+    expect, _ = ref.attention(q, k, v, mask=mask, causal=causal)
+    assert_close(out, expect, "exact")
+
+
+def test_scale(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=200, Lkv=200, D=64)
+    for scale in (0.05, 0.3):
+        mask = sparge.predict_mask(q, k, topk=0.6, scale=scale, precision="exact")
+        out = sparge.attention(q, k, v, topk=0.6, scale=scale, precision="exact")
+        expect, _ = ref.attention(q, k, v, mask=mask, scale=scale)
+        assert_close(out, expect, "exact")
+
+
+def test_block_size_option(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=200, Lkv=300, D=32)
+    try:
+        mask = sparge.predict_mask(q, k, topk=0.5, block_size=(64, 32), precision="exact")
+    except sparge.UnsupportedError as e:
+        pytest.skip("block_size (64, 32) unsupported by this build: %s" % e)
+    assert mask.shape == (1, 2, 4, 10)
+    out = sparge.attention(q, k, v, topk=0.5, block_size=(64, 32), precision="exact")
+    expect, _ = ref.attention(q, k, v, mask=mask, bq=64, bk=32)
+    assert_close(out, expect, "exact")
+
+
+@pytest.mark.parametrize("extra", [
+    dict(mode="cdf", cdf_threshold=0.7),
+    dict(mode="cdf"),
+    dict(sim_threshold=0.5),
+    dict(attention_sink=True, topk=0.1),
+    dict(smooth_k=False),
+    dict(topk=[0.1, 0.3, 0.6, 1.0]),
+    dict(mode="cdf", cdf_threshold=np.array([0.5, 0.7, 0.9, 0.99])),
+    dict(sim_threshold=(0.0, 0.2, 0.4, 2.0)),
+])
+def test_prediction_options_end_to_end(rng, extra):
+    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=256, Lkv=448, D=32)
+    opts = dict(extra, precision="exact", is_causal=True)
+    mask = sparge.predict_mask(q, k, **opts)
+    out, density = sparge.attention(q, k, v, return_sparsity=True, **opts)
+    expect, _ = ref.attention(q, k, v, mask=mask, causal=True)
+    assert_close(out, expect, "exact")
+    vis = ref.visible_blocks(256, 448, 128, 64, True)
+    assert density == pytest.approx(mask.sum() / (vis.sum() * 4))
+
+
+def test_given_mask_dtypes(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=256, D=32)
+    m = rng.random((1, 2, 2, 4)) < 0.5
+    m[..., 0] = True
+    expect, _ = ref.attention(q, k, v, mask=m)
+    for mm in (m, m.astype(np.uint8), m.astype(np.int64), m.tolist()):
+        out = sparge.block_sparse_attention(q, k, v, mm, precision="exact")
+        assert_close(out, expect, "exact")
+
+
+def test_empty_mask_rows_give_zero_and_neg_inf(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=256, Lkv=128, D=16)
+    m = np.zeros((1, 1, 2, 2), dtype=np.uint8)
+    m[0, 0, 1, 1] = 1
+    out, lse = sparge.block_sparse_attention(q, k, v, m, precision="exact", return_lse=True)
+    assert np.all(out[0, 0, :128] == 0) and np.all(lse[0, 0, :128] == -np.inf)
+    expect, else_ = ref.attention(q, k, v, mask=m)
+    assert_close(out, expect, "exact")
+    check_lse(lse, else_, "exact")
+
+
+def test_return_tuple_order(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=128, Lkv=128, D=16)
+    out = sparge.attention(q, k, v, precision="exact")
+    a = sparge.attention(q, k, v, precision="exact", return_lse=True)
+    b = sparge.attention(q, k, v, precision="exact", return_sparsity=True)
+    c = sparge.attention(q, k, v, precision="exact", return_sparsity=True, return_lse=True)
+    assert isinstance(a, tuple) and len(a) == 2 and a[1].shape == (1, 2, 128)
+    assert isinstance(b, tuple) and isinstance(b[1], float) and 0 < b[1] <= 1
+    assert len(c) == 3 and isinstance(c[1], float) and c[2].shape == (1, 2, 128)
+    for r in (a[0], b[0], c[0]):
+        np.testing.assert_array_equal(r, out)
+    assert b[1] == c[1]
+
+
+def test_packed_qkv_strides(rng):
+    """q, k, v as views into one packed [B, L, 3, H, D] array (NHD, non-contiguous)."""
+    B, L, H, D = 1, 192, 2, 32
+    qkv = rng.standard_normal((B, L, 3, H, D)).astype(np.float32)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert not q.flags.c_contiguous
+    out = sparge.attention(q, k, v, topk=1.0, layout="NHD", precision="exact")
+    expect, _ = ref.attention(q, k, v, layout="NHD")
+    assert_close(out, expect, "exact")
+    out2 = sparge.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                            topk=1.0, layout="NHD", precision="exact")
+    np.testing.assert_allclose(out, out2, atol=1e-6)
+
+
+def test_bfloat16_numpy(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=128, Lkv=128, D=32))
+    out = sparge.attention(q, k, v, topk=1.0, precision="fp16")
+    assert out.dtype == q.dtype
+    expect, _ = ref.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    assert ref.rel_l1(out.astype(np.float32), expect) < 2e-2
+
+
+def test_plan_cache_reuse_and_eviction(rng):
+    from sparge import _core
+
+    sparge.clear_caches()
+    q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=64, Lkv=64, D=16)
+    sparge.attention(q, k, v, precision="exact")
+    sparge.attention(q + 1, k, v, precision="exact")
+    assert len(_core.PLANS) == 1
+    sparge.attention(q, k, v, precision="exact", is_causal=True)
+    assert len(_core.PLANS) == 2
+    old_cap = _core.PLANS.capacity
+    try:
+        _core.PLANS.capacity = 1
+        plan = _core.PLANS._d[next(iter(_core.PLANS._d))]
+        fin = plan._finalizer
+        sparge.attention(q, k, v, precision="fp16")
+        assert len(_core.PLANS) == 1
+        del plan
+        import gc
+
+        gc.collect()
+        assert not fin.alive, "evicted plan was not destroyed"
+    finally:
+        _core.PLANS.capacity = old_cap
+        sparge.clear_caches()
+
+
+def test_threads(rng):
+    """Concurrent calls from several threads (per-thread CPU workspaces)."""
+    import concurrent.futures as cf
+
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=256, D=32)
+    want = sparge.attention(q, k, v, precision="exact")
+    with cf.ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda _: sparge.attention(q, k, v, precision="exact"), range(8)))
+    for o in outs:
+        np.testing.assert_array_equal(o, want)

@@ -1,0 +1,111 @@
+"""The original SpargeAttn names (sparge.compat / the spas_sage_attn shim) on the CPU backend."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import ref
+import sparge
+from helpers import make_qkv
+
+
+def test_shim_imports():
+    import spas_sage_attn
+    from spas_sage_attn import (block_sparse_sage2_attn_cuda, spas_sage2_attn_meansim_cuda,  # noqa: F401
+                                spas_sage2_attn_meansim_topk_cuda, spas_sage_attn_meansim_cuda,
+                                spas_sage_attn_meansim_topk_cuda)
+    from spas_sage_attn.core import spas_sage2_attn_meansim_topk_cuda as f2
+
+    assert spas_sage_attn.spas_sage2_attn_meansim_topk_cuda is sparge.compat.spas_sage2_attn_meansim_topk_cuda
+    assert f2 is sparge.spas_sage2_attn_meansim_topk_cuda
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_topk_names(rng, layout, causal):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=384, D=32, dtype=np.float16, layout=layout)
+    for fn, prec in ((sparge.spas_sage2_attn_meansim_topk_cuda, "int8_fp8"),
+                     (sparge.spas_sage_attn_meansim_topk_cuda, "fp16")):
+        out = fn(q, k, v, topk=0.4, is_causal=causal, tensor_layout=layout)
+        same = sparge.attention(q, k, v, topk=0.4, is_causal=causal, layout=layout, precision=prec)
+        np.testing.assert_array_equal(out, same)
+        mask = sparge.predict_mask(q, k, topk=0.4, is_causal=causal, layout=layout)
+        expect, _ = ref.attention(q, k, v, mask=mask, causal=causal, layout=layout)
+        assert ref.cosine(out, expect) > 0.995
+        assert out.dtype == np.float16
+
+
+def test_cdf_names_defaults(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
+    out = sparge.spas_sage2_attn_meansim_cuda(q, k, v)
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.98, sim_threshold=0.6)
+    np.testing.assert_array_equal(out, same)
+    out = sparge.spas_sage_attn_meansim_cuda(q, k, v, cdfthreshd=0.5, simthreshd1=0.1, is_causal=True)
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.5, sim_threshold=0.1, is_causal=True,
+                            precision="fp16")
+    np.testing.assert_array_equal(out, same)
+
+
+def test_topk_none_means_cdf(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
+    out = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, topk=None, cdfthreshd=0.7)
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.7)
+    np.testing.assert_array_equal(out, same)
+
+
+def test_return_sparsity_is_skipped_fraction(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=640, D=32, dtype=np.float16)
+    out, sp = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, topk=0.3, is_causal=True, return_sparsity=True)
+    _, density = sparge.attention(q, k, v, topk=0.3, is_causal=True, return_sparsity=True)
+    assert sp == pytest.approx(1.0 - density) and 0.0 < sp < 1.0
+
+
+def test_return_lse(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=128, Lkv=192, D=32, dtype=np.float16)
+    out, lse = sparge.spas_sage_attn_meansim_topk_cuda(q, k, v, topk=1.0, return_lse=True)
+    _, expect = ref.attention(q, k, v)
+    np.testing.assert_allclose(lse, expect, atol=2e-2)
+
+
+def test_output_dtype(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=128, Lkv=128, D=32, dtype=np.float32)
+    assert sparge.spas_sage_attn_meansim_topk_cuda(q, k, v).dtype == np.float32
+    assert sparge.spas_sage_attn_meansim_topk_cuda(q, k, v, output_dtype=np.float16).dtype == np.float16
+    assert sparge.spas_sage_attn_meansim_topk_cuda(q, k, v, output_dtype="float16").dtype == np.float16
+
+
+def test_block_sparse_name(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=256, D=32, dtype=np.float16)
+    mask_id = (rng.random((1, 2, 2, 4)) < 0.5).astype(np.int32)
+    mask_id[..., 0] = 1
+    out = sparge.block_sparse_sage2_attn_cuda(q, k, v, mask_id=mask_id)
+    expect, _ = ref.attention(q, k, v, mask=mask_id)
+    assert ref.cosine(out, expect) > 0.995
+    full = sparge.block_sparse_sage2_attn_cuda(q, k, v)  # None: every block
+    dense, _ = ref.attention(q, k, v)
+    assert ref.cosine(full, dense) > 0.995
+    out, sp = sparge.block_sparse_sage2_attn_cuda(q, k, v, mask_id=mask_id, return_sparsity=True)
+    assert sp == pytest.approx(1.0 - mask_id.sum() / mask_id.size)
+
+
+def test_pvthreshd_warns_once(rng):
+    from sparge import compat
+
+    q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=64, Lkv=64, D=16, dtype=np.float16)
+    compat._pv_warned = False
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v)  # default 50: silent
+        assert not w
+        sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, pvthreshd=20)
+        sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, pvthreshd=30)
+    assert len(w) == 1 and "pvthreshd" in str(w[0].message)
+
+
+def test_positional_like_sdpa(rng):
+    """The original signature: (q, k, v, attn_mask, dropout_p, is_causal, scale, ...)."""
+    q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=128, Lkv=128, D=32, dtype=np.float16)
+    a = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, None, 0.0, True, 0.1)
+    b = sparge.attention(q, k, v, is_causal=True, scale=0.1)
+    np.testing.assert_array_equal(a, b)

@@ -1,0 +1,110 @@
+"""sparge.predict_mask on the CPU backend: structural properties and the float64 reference."""
+
+import math
+
+import numpy as np
+import pytest
+
+import ref
+import sparge
+from helpers import make_qkv
+
+
+def assert_masks_match(mask, expect, margin, tol=1e-5):
+    """Equal, except rows whose reference decision is within tol of flipping."""
+    assert mask.shape == expect.shape and mask.dtype == np.uint8
+    diff = np.any(mask != expect, axis=-1)
+    bad = diff & (margin > tol)
+    assert not bad.any(), "mask rows differ from the reference at %s" % (np.argwhere(bad)[:5].tolist(),)
+
+
+@pytest.mark.parametrize("causal,Lq,Lkv", [(False, 320, 512), (True, 320, 512), (True, 512, 320),
+                                          (True, 100, 700), (False, 1, 64)])
+@pytest.mark.parametrize("topk", [0.05, 0.3, 0.5, 0.999, 1.0])
+def test_topk_count_per_row(rng, causal, Lq, Lkv, topk):
+    q, k, _ = make_qkv(rng, B=2, Hq=4, Hkv=2, Lq=Lq, Lkv=Lkv, D=32)
+    mask, kept = sparge.predict_mask(q, k, topk=topk, is_causal=causal, return_kept=True)
+    vis = ref.visible_blocks(Lq, Lkv, 128, 64, causal)
+    nkb = -(-Lkv // 64)
+    assert mask.shape == (2, 4, len(vis), nkb) and mask.dtype == np.uint8
+    assert set(np.unique(mask)) <= {0, 1}
+    for qb, nv in enumerate(vis):
+        want = 0 if nv == 0 else max(1, min(nv, math.floor(topk * nv)))
+        rows = mask[:, :, qb]
+        assert np.all(rows.sum(-1) == want), (qb, nv, rows.sum(-1))
+        assert np.all(rows[..., nv:] == 0), "invisible blocks kept"
+    assert kept.dtype == np.int32 and kept.shape == (2, 4)
+    np.testing.assert_array_equal(kept, mask.sum(axis=(2, 3)))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("opts", [
+    dict(topk=0.3),
+    dict(topk=0.5, is_causal=True),
+    dict(topk=0.25, smooth_k=False),
+    dict(topk=0.2, attention_sink=True, is_causal=True),
+    dict(topk=0.3, sim_threshold=0.3),
+    dict(mode="cdf", cdf_threshold=0.6),
+    dict(mode="cdf", cdf_threshold=0.9, is_causal=True),
+    dict(topk=[0.1, 0.2, 0.5, 0.9], sim_threshold=[-0.1, 0.2, 0.3, 0.0]),
+    dict(mode="cdf", cdf_threshold=[0.3, 0.5, 0.8, 0.95]),
+    dict(topk=0.4, scale=0.02),
+])
+def test_matches_reference(rng, layout, opts):
+    # structured inputs (a shared direction per block) so pooled scores are well separated
+    q, k, _ = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=384, Lkv=640, D=32, layout=layout)
+    shift = rng.standard_normal((1, 1, 10, 1, 32)).astype(np.float32) * 2
+    if layout == "HND":
+        k = (k.reshape(1, 2, 10, 64, 32) + shift).reshape(k.shape)
+    else:
+        k = (k.reshape(1, 10, 64, 2, 32) + shift.transpose(0, 2, 1, 3, 4)).reshape(k.shape)
+    mask = sparge.predict_mask(q, k, layout=layout, **opts)
+    o = dict(opts)
+    expect, margin = ref.predict(
+        q, k, topk=o.get("topk", 0.5), mode=o.get("mode", "topk"), cdf=o.get("cdf_threshold", 0.9),
+        sim_threshold=o.get("sim_threshold", -0.1), smooth_k=o.get("smooth_k", True),
+        sink=o.get("attention_sink", False), causal=o.get("is_causal", False), scale=o.get("scale"),
+        layout=layout)
+    assert_masks_match(mask, expect, margin)
+
+
+def test_full_and_forced(rng):
+    q, k, _ = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=300, Lkv=500, D=32)
+    vis = ref.visible_blocks(300, 500, 128, 64, True)
+    full = np.zeros((3, 8), dtype=np.uint8)
+    for qb, nv in enumerate(vis):
+        full[qb, :nv] = 1
+    # topk 1.0 keeps every visible block
+    m = sparge.predict_mask(q, k, topk=1.0, is_causal=True)
+    assert np.all(m == full)
+    # a similarity threshold above 1 makes every block non-compressible
+    m = sparge.predict_mask(q, k, topk=0.01, is_causal=True, sim_threshold=1.5)
+    assert np.all(m == full)
+    # the attention sink keeps key block 0 in every row that sees a key
+    m = sparge.predict_mask(q, k, topk=0.01, is_causal=True, attention_sink=True)
+    assert np.all(m[..., 0] == 1)
+
+
+def test_cdf_monotone(rng):
+    q, k, _ = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=1024, D=32)
+    prev = None
+    for thr in (0.2, 0.5, 0.8, 0.95, 1.0):
+        m = sparge.predict_mask(q, k, mode="cdf", cdf_threshold=thr).astype(np.int64)
+        assert np.all(m.sum(-1) >= 1)
+        if prev is not None:
+            assert np.all(m >= prev), "a larger cdf_threshold dropped a block"
+        prev = m
+
+
+def test_visible_key_blocks_matches_library(rng):
+    from sparge import _core
+    from sparge._arrays import numpy_view
+
+    for Lq, Lkv, causal in [(300, 500, True), (500, 300, True), (1, 1000, True), (256, 256, False)]:
+        q, k, _ = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=Lq, Lkv=Lkv, D=16)
+        qv, kv = numpy_view(q), numpy_view(k)
+        s = _core.check_qkv(qv, kv, None, 0)
+        opts = _core.Options(0, causal, 0.0, 0, 0.5, 0.9, -0.1, True, False, 2, 0, 0)
+        plan = _core.get_plan(s, qv, opts)
+        assert plan.visible_per_head == sum(sparge.visible_key_blocks(Lq, Lkv, 128, 64, causal))
+        assert list(ref.visible_blocks(Lq, Lkv, 128, 64, causal)) == sparge.visible_key_blocks(Lq, Lkv, 128, 64, causal)
