@@ -226,8 +226,8 @@ static void usage(FILE* f) {
           "  --sink                 always keep the first key block\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
           "  --precision int8_fp8|fp16|exact  (default int8_fp8; exact is CPU only)\n"
-          "  --iters N              timed calls per measurement (default: cuda 20, cpu 1)\n"
-          "  --warmup N             untimed calls first (default: cuda 3, cpu 0)\n"
+          "  --iters N              timed calls per measurement (default: cuda 20, cpu 3)\n"
+          "  --warmup N             untimed calls first (default: cuda 3, cpu 1)\n"
           "  --seed N               random seed (default 0)\n"
           "  --layout hnd|nhd       memory layout of q, k, v, out (default hnd)\n"
           "  --data clustered|random  inputs: tokens in runs sharing a random direction\n"
@@ -427,8 +427,8 @@ static void resolve_defaults(options_t* o) {
     if (o->L < 0) o->L = 1024;
     if (o->D < 0) o->D = 64;
     if (o->dtype < 0) o->dtype = SPARGE_DTYPE_FLOAT32;
-    if (o->iters < 0) o->iters = 1;
-    if (o->warmup < 0) o->warmup = 0;
+    if (o->iters < 0) o->iters = 3;
+    if (o->warmup < 0) o->warmup = 1;
   }
   if (o->Hkv < 0) o->Hkv = o->H;
   if (o->Lkv < 0) o->Lkv = o->L;
@@ -1011,7 +1011,10 @@ int main(int argc, char** argv) {
       printf("\n");
       continue;
     }
-    printf(" %11.2f", sec[which] > 0 ? flops / sec[which] * 1e-12 : 0.0);
+    {
+      double tops = sec[which] > 0 ? flops / sec[which] * 1e-12 : 0.0;
+      printf(tops < 10.0 ? " %11.4f" : " %11.1f", tops);
+    }
     if (which == kSparse)
       printf(" %11.6f %9.5f", acc_cos(&acc_sparse), acc_rel_l1(&acc_sparse));
     else if (which == kDense)

@@ -187,7 +187,7 @@ extern "C" {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use core::mem::{align_of, size_of};
+    use core::mem::{align_of, offset_of, size_of};
 
     // The C layout on LP64 targets (x86_64, aarch64), worked out from the header.
     #[test]
@@ -195,8 +195,13 @@ mod tests {
     fn struct_layout_matches_the_header() {
         assert_eq!(size_of::<sparge_tensor_t>(), 88);
         assert_eq!(size_of::<sparge_problem_t>(), 88);
-        assert_eq!(size_of::<sparge_predict_params_t>(), 72);
+        assert_eq!(size_of::<sparge_predict_params_t>(), 64);
         assert_eq!(align_of::<sparge_problem_t>(), 8);
+        assert_eq!(offset_of!(sparge_tensor_t, shape), 24);
+        assert_eq!(offset_of!(sparge_problem_t, dtype), 56);
+        assert_eq!(offset_of!(sparge_problem_t, block_k), 84);
+        assert_eq!(offset_of!(sparge_predict_params_t, topk_per_head), 32);
+        assert_eq!(offset_of!(sparge_predict_params_t, pv_threshold), 56);
     }
 
     #[test]
