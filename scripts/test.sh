@@ -37,10 +37,12 @@ if ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"; then
 else
   record ctest 1 ""
 fi
-if grep -q '^SPARGE_WITH_CUDA' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null || grep -q 'gpu_tests' "$BUILD_DIR/tests/CTestTestfile.cmake" 2>/dev/null; then
+if ctest --test-dir "$BUILD_DIR" -N 2>/dev/null | grep -q 'gpu_tests'; then
   if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-    echo "note: no GPU on this machine: the gpu_tests above are reported as SKIPPED (exit code 77), not run"
+    echo "note: no GPU on this machine: gpu_tests is reported as SKIPPED above (exit code 77), not run"
   fi
+else
+  echo "note: built without the CUDA backend: no GPU tests"
 fi
 
 section "pytest (tests/python)"
