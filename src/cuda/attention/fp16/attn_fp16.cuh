@@ -1,10 +1,12 @@
 // Block-sparse flash-attention forward, FP16 precision mode (fp16 / bf16 inputs,
 // fp32 scores and accumulation), for sm_80+ tensor cores through mma.sync.
 //
-// One CTA computes one 128-row query block (the mask's BQ) of one (batch, head):
-// 8 warps x 16 query rows. It walks the row's kept 64-key blocks (the mask's BK,
-// one kernel tile each) in ascending order with a 3-stage cp.async pipeline of
-// K/V tiles, and keeps O in registers. See docs/KERNELS-FP16.md.
+// One CTA computes one 128-row query block (the mask's BQ) of one (batch, head)
+// with 4 warps x 32 query rows (two 16-row m-tiles per warp, so each K/V
+// fragment read from shared memory feeds two MMAs). It walks the row's kept
+// 64-key blocks (the mask's BK, one kernel tile each) in ascending order through
+// a multi-stage cp.async pipeline of K/V tiles and keeps O in registers; two
+// CTAs share an SM. See docs/KERNELS-FP16.md.
 //
 // Fragment layouts used below (PTX ISA, mma.m16n8k16, 16-bit A/B, fp32 C/D);
 // lane = 32*warp + 4*g + t, i.e. g = lane/4 ("group"), t = lane%4:
@@ -30,11 +32,21 @@ namespace sparge {
 namespace cuda {
 namespace fp16attn {
 
-constexpr int kBQ = 128;     // query rows per CTA (== mask BQ)
-constexpr int kBK = 64;      // keys per tile (== mask BK)
-constexpr int kWarps = 8;    // 16 query rows each
+constexpr int kBQ = 128;    // query rows per CTA (== mask BQ)
+constexpr int kBK = 64;     // keys per tile (== mask BK)
+constexpr int kWarps = 4;   // 32 query rows each
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 3;   // K/V tiles in flight
+constexpr int kMT = 2;      // 16-row m-tiles per warp
+
+// K/V tiles in flight: 2 CTAs/SM must fit in 227 KB of shared memory.
+template <int D>
+__host__ __device__ constexpr int stages() {
+  return D == 64 ? 3 : 2;
+}
+template <int D>
+__host__ __device__ constexpr int smem_bytes() {
+  return (kBQ * D + stages<D>() * 2 * kBK * D) * 2;
+}
 
 struct Params {
   const void* q;
@@ -51,13 +63,8 @@ struct Params {
   const int32_t* cnt;    // [B*Hq, nQB]
   const int32_t* order;  // [B*Hq*nQB]
   int Hq, group, Lq, Lkv, nQB, nKB;
-  float scale_log2;  // scale * log2(e)
+  float scale_log2;  // scale * log2(e), > 0
 };
-
-template <int D>
-constexpr int smem_bytes() {
-  return (kBQ * D + kStages * 2 * kBK * D) * 2;
-}
 
 // ------------------------------------------------------------ primitives
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -75,14 +82,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
 
@@ -136,12 +143,13 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 
 // ------------------------------------------------------------ kernel
 template <class T, int D, bool kCausal>
-__global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attn_fp16_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 2) attn_fp16_kernel(const Params p) {
   static_assert(D == 64 || D == 128, "head dim");
+  constexpr int kStages = stages<D>();
   constexpr int kChunks = D / 8;   // 16-byte chunks per row
   constexpr int kKSteps = D / 16;  // k-steps of Q.K^T, also 16-wide d-tile pairs of P.V
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [kBQ][D], later the O staging tile
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [kBQ][D], finally the O staging tile
   T* sKV = sQ + kBQ * D;                   // [kStages][K, V][kBK][D]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -169,157 +177,165 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attn_fp16_kernel(co
   cp_async_commit();
 
   // K and V rows of kept block list[t] into stage s (keys >= Lkv zero-filled:
-  // V must hold finite values where P is 0).
+  // V must hold finite values where P is 0). Thread tid copies chunk
+  // tid % kChunks of rows tid / kChunks + kRowsPerIter * i; kRowsPerIter is a
+  // multiple of 8, so the swizzled destination is a fixed offset per i.
+  constexpr int kRowsPerIter = kThreads / kChunks;
+  const int ld_r = tid / kChunks, ld_ch = tid % kChunks;
+  const uint32_t ld_dst = smem_u32(sKV) + swz<D>(ld_r, ld_ch) * 2;
+  const int64_t k_step = kRowsPerIter * p.k_sl, v_step = kRowsPerIter * p.v_sl;
   auto load_tile = [&](int t, int s) {
-    const int k0 = list[t] * kBK;
-    T* sK = sKV + s * 2 * kBK * D;
-    T* sV = sK + kBK * D;
+    const int k0 = list[t] * kBK + ld_r;
+    const T* srcK = gK + static_cast<int64_t>(k0) * p.k_sl + ld_ch * 8;
+    const T* srcV = gV + static_cast<int64_t>(k0) * p.v_sl + ld_ch * 8;
+    const uint32_t dst = ld_dst + s * (2 * kBK * D * 2);
 #pragma unroll
-    for (int i = 0; i < kBK * kChunks / kThreads; ++i) {
-      const int c = tid + i * kThreads, r = c / kChunks, ch = c % kChunks;
-      const bool ok = k0 + r < p.Lkv;
-      const int64_t row = ok ? k0 + r : 0;
-      cp_async16(smem_u32(sK + swz<D>(r, ch)), gK + row * p.k_sl + ch * 8, ok);
-      cp_async16(smem_u32(sV + swz<D>(r, ch)), gV + row * p.v_sl + ch * 8, ok);
+    for (int i = 0; i < kBK / kRowsPerIter; ++i) {
+      const bool ok = k0 + i * kRowsPerIter < p.Lkv;
+      cp_async16(dst + i * kRowsPerIter * D * 2, ok ? srcK : gK, ok);
+      cp_async16(dst + kBK * D * 2 + i * kRowsPerIter * D * 2, ok ? srcV : gV, ok);
+      srcK += k_step;
+      srcV += v_step;
     }
   };
-  if (n > 0) load_tile(0, 0);
-  cp_async_commit();
-  if (n > 1) load_tile(1, 1);
-  cp_async_commit();
-
-  // ---- Q fragments of this warp's 16 rows, kept in registers (A operand).
-  // ldmatrix.x4 for k-step kk: matrix i = rows 8*(i&1).., columns 16kk + 8*(i>>1)..,
-  // so r0..r3 are a0..a3 of the A layout above.
-  cp_async_wait<2>();
-  __syncthreads();
-  uint32_t qf[kKSteps][4];
-  {
-    const int mi = lane >> 3;
-    const int r = warp * 16 + (lane & 7) + (mi & 1) * 8;
+  // Groups: Q, tile 0 .. tile kStages-2 (empty groups past the list's end).
 #pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk)
-      ldsm_x4(smem_u32(sQ + swz<D>(r, kk * 2 + (mi >> 1))), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n) load_tile(s, s);
+    cp_async_commit();
   }
 
-  float o[D / 8][4];
+  float o[kMT][D / 8][4];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  // Row statistics of rows g (index 0) and g+8 (index 1) of the warp; m is in
-  // log2 units (scores already multiplied by scale*log2e); l is this thread's
-  // partial sum over its own columns (reduced across the quad at the end).
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+  // Row statistics of rows g (index 0) and g+8 (index 1) of each m-tile; m is
+  // in log2 units (score * scale * log2e); l is this thread's partial sum over
+  // its own columns (reduced across the quad at the end).
+  float m[kMT][2], l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
 
-  const int row_lo = q0 + warp * 16;    // warp's first query row
-  const int diag = p.Lkv - p.Lq;        // causal: row i sees keys <= i + diag
-  // Per-lane ldmatrix addressing. Every row a lane addresses below is
-  // (multiple of 8) + (lane & 7), so its swizzle key is r7 = lane & 7; a logical
-  // chunk 2c + x (x = 0/1 from the matrix index, c = k-step or d-pair) is stored
-  // at ((2c) ^ (x ^ r7)): for 2c >= 8 the high bit passes through (+128 bytes).
+  const int row_lo = q0 + warp * 32;  // warp's first query row
+  const int diag = p.Lkv - p.Lq;      // causal: row i sees keys <= i + diag
+  const float sl2 = p.scale_log2;
+
+  // Per-lane ldmatrix addressing (lanes 8i..8i+7 address matrix i). Every row a
+  // lane addresses is (multiple of 8) + (lane & 7), so its swizzle key is
+  // r7 = lane & 7; logical chunk 2c + x (x = 0/1 chosen by the matrix index,
+  // c = k-step or d-pair, 2c + x == 2c ^ x) is stored at chunk (2c) ^ (x ^ r7);
+  // for c >= 4 (D = 128) bit 3 of the chunk passes through the XOR.
+  //   Q (A operand, non-trans): matrix i = rows +8*(i&1), chunk +(i>>1)
+  //     -> r0..r3 = a0..a3 (rows g / g+8, columns 2t / 2t+8).
+  //   K (B operand of S = Q K^T, non-trans; B[k][n] = K[n][k], so the rows the
+  //     ldmatrix reads are keys): matrix i = keys +8*(i>>1), chunk +(i&1)
+  //     -> r0, r1 = b0, b1 of n-tile 2jp; r2, r3 = b0, b1 of n-tile 2jp+1.
+  //   V (B operand of O = P V, .trans; B[k][n] = V[key k][dim n], rows read are
+  //     keys, the transpose hands lane (g, t) V[2t..2t+1][g]): matrix i = keys
+  //     +8*(i&1), chunk +(i>>1) -> r0, r1 = b0, b1 of d-tile 2dp; r2, r3 of 2dp+1.
   const int mi = lane >> 3, r7 = lane & 7;
+  const uint32_t q_addr = smem_u32(sQ) + (warp * 32 + (mi & 1) * 8 + r7) * D * 2;
   const uint32_t kv_base = smem_u32(sKV);
-  const uint32_t k_lane = ((mi >> 1) * 8 + r7) * D * 2;  // K: matrix i -> keys +8*(i>>1), chunk +(i&1)
-  const uint32_t v_lane = ((mi & 1) * 8 + r7) * D * 2;   // V: matrix i -> keys +8*(i&1), chunk +(i>>1)
-  uint32_t kx[4], vx[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    kx[c] = ((2 * c) ^ ((mi & 1) ^ r7)) << 4;
-    vx[c] = ((2 * c) ^ ((mi >> 1) ^ r7)) << 4;
-  }
+  const uint32_t k_lane = ((mi >> 1) * 8 + r7) * D * 2;
+  const uint32_t v_lane = ((mi & 1) * 8 + r7) * D * 2;
+  // Byte offset of logical chunk pair c within a row: ((2c) ^ key) << 4 ==
+  // (32c) ^ (key << 4), and for c >= 4 bit 7 is untouched by the XOR.
+  const uint32_t kx = ((mi & 1) ^ r7) << 4;
+  const uint32_t vx = ((mi >> 1) ^ r7) << 4;  // also Q (same matrix order)
 
   for (int t = 0; t < n; ++t) {
-    cp_async_wait<1>();  // tile t (and all before it) has landed
-    __syncthreads();     // ... for every thread; and stage (t+2)%3 is no longer read
-    if (t + 2 < n) load_tile(t + 2, (t + 2) % kStages);
+    cp_async_wait<kStages - 2>();  // tile t (and Q) landed for this thread's copies
+    __syncthreads();               // ... for all threads; stage (t-1) % kStages is free
+    if (t + kStages - 1 < n) load_tile(t + kStages - 1, (t + kStages - 1) % kStages);
     cp_async_commit();
 
     const int k0 = list[t] * kBK;
     bool need_mask = k0 + kBK > p.Lkv;
-    bool skip = false;
     if (kCausal) {
-      skip = k0 > row_lo + 15 + diag;           // no row of the warp sees any key of the tile
+      if (k0 > row_lo + 31 + diag) continue;     // no row of this warp sees the tile (warp-uniform)
       need_mask |= k0 + kBK - 1 > row_lo + diag;  // some row does not see every key
     }
-    if (skip) continue;  // warp-uniform; the barrier above is the only one per tile
-
-    // Lane addresses (bytes) of this stage's K and V tiles; see kx / vx above.
     const uint32_t aK = kv_base + (t % kStages) * (2 * kBK * D * 2) + k_lane;
     const uint32_t aV = kv_base + (t % kStages) * (2 * kBK * D * 2) + kBK * D * 2 + v_lane;
 
-    // ---- S = Q K^T (16 x 64 per warp): 8 n-tiles of 8 keys.
-    // B operand for keys n0..n0+7 is K[n0+g][k..] rows = plain (non-trans)
-    // ldmatrix of K rows. One x4 covers n-tiles 2jp, 2jp+1 of k-step kk:
-    // matrix i = keys 16jp + 8*(i>>1) + 0..7, columns 16kk + 8*(i&1) + 0..7,
-    // giving (b0, b1) of n-tile 2jp and (b0, b1) of n-tile 2jp+1.
-    float s[8][4];
+    // ---- S = Q K^T: per m-tile 16 x 64 = 8 n-tiles of 8 keys; s[mt][j][e] is
+    // row g + 8*(e>>1) of m-tile mt, key k0 + 8j + 2t + (e&1) (C layout).
+    float s[kMT][8][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t qa[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) ldsm_x4(q_addr + mt * 16 * D * 2 + ((kk * 32) ^ vx), qa[mt]);
 #pragma unroll
       for (int jp = 0; jp < 4; ++jp) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(aK + jp * 16 * D * 2 + (kk >> 2) * 128 + kx[kk & 3], b0, b1, b2, b3);
-        Mma<T>::run(s[2 * jp], qf[kk], b0, b1);
-        Mma<T>::run(s[2 * jp + 1], qf[kk], b2, b3);
+        uint32_t kb[4];
+        ldsm_x4(aK + jp * 16 * D * 2 + ((kk * 32) ^ kx), kb);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<T>::run(s[mt][2 * jp], qa[mt], kb[0], kb[1]);
+          Mma<T>::run(s[mt][2 * jp + 1], qa[mt], kb[2], kb[3]);
+        }
       }
     }
 
-    // ---- scale to log2 units, mask, row max. s[j][e]: row g + 8*(e>>1),
-    // key k0 + 8j + 2t + (e&1).
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int mt = 0; mt < kMT; ++mt) {
+      // ---- mask (only on tiles that need it), row max over raw scores
+      if (need_mask) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
-    if (need_mask) {
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + 8 * j + 2 * t4 + (e & 1);
+            const int row = row_lo + mt * 16 + g + 8 * (e >> 1);
+            bool ok = key < p.Lkv;
+            if (kCausal) ok = ok && key <= row + diag;
+            if (!ok) s[mt][j][e] = -INFINITY;
+          }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + 8 * j + 2 * t4 + (e & 1);
-          const int row = row_lo + g + 8 * (e >> 1);
-          bool ok = key < p.Lkv;
-          if (kCausal) ok = ok && key <= row + diag;
-          if (!ok) s[j][e] = -INFINITY;
-        }
-    }
-    float mx[2] = {m[0], m[1]};
+      for (int j = 0; j < 8; ++j) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[mt][j][0], s[mt][j][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[mt][j][2], s[mt][j][3]));
+      }
+      // ---- online softmax in base 2 (scale > 0, so max(s)*c == max(s*c)):
+      // m' = max(m, mx*c), alpha = 2^(m - m'), p = 2^(s*c - m'). A row that has
+      // seen no key yet keeps m' = -inf and uses 0 as the reference, so its p
+      // and alpha are exactly 0 (no NaN).
+      float ref[2], alpha[2];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
-    }
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mnew = fmaxf(m[mt][r], mx[r] * sl2);
+        ref[r] = (mnew == -INFINITY) ? 0.f : mnew;
+        alpha[r] = ex2(m[mt][r] - ref[r]);
+        m[mt][r] = mnew;
+        l[mt][r] *= alpha[r];
+      }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    }
-    // ---- online softmax: alpha = 2^(m - m'), p = 2^(s - m'). A row that has
-    // seen no key yet keeps m' = -inf; it uses 0 as the reference so that all
-    // its p and alpha are exactly 0 (no NaN).
-    float ref[2], alpha[2];
+      for (int j = 0; j < D / 8; ++j) {
+        o[mt][j][0] *= alpha[0];
+        o[mt][j][1] *= alpha[0];
+        o[mt][j][2] *= alpha[1];
+        o[mt][j][3] *= alpha[1];
+      }
+      const float nref0 = -ref[0], nref1 = -ref[1];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      ref[r] = (mx[r] == -INFINITY) ? 0.f : mx[r];
-      alpha[r] = ex2(m[r] - ref[r]);
-      m[r] = mx[r];
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[j][0] = ex2(s[j][0] - ref[0]);
-      s[j][1] = ex2(s[j][1] - ref[0]);
-      s[j][2] = ex2(s[j][2] - ref[1]);
-      s[j][3] = ex2(s[j][3] - ref[1]);
-      l[0] += s[j][0] + s[j][1];
-      l[1] += s[j][2] + s[j][3];
+      for (int j = 0; j < 8; ++j) {
+        s[mt][j][0] = ex2(fmaf(s[mt][j][0], sl2, nref0));
+        s[mt][j][1] = ex2(fmaf(s[mt][j][1], sl2, nref0));
+        s[mt][j][2] = ex2(fmaf(s[mt][j][2], sl2, nref1));
+        s[mt][j][3] = ex2(fmaf(s[mt][j][3], sl2, nref1));
+        l[mt][0] += s[mt][j][0] + s[mt][j][1];
+        l[mt][1] += s[mt][j][2] + s[mt][j][3];
+      }
     }
 
     // ---- O += P V. P (rounded to T) is the A operand straight from the S
@@ -328,23 +344,25 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attn_fp16_kernel(co
     //   a1 = P[g+8][16kk+2t..] = n-tile 2kk   (c2,c3)
     //   a2 = P[g][16kk+8+2t..] = n-tile 2kk+1 (c0,c1)
     //   a3 = P[g+8][...]       = n-tile 2kk+1 (c2,c3)
-    // B operand: B[k][n] = V[key k][d n], V stored [key][d], so b0 = V[2t..2t+1][g]
-    // is the .trans ldmatrix of the 8x8 block (keys 16kk.., dims 8j..). One x4:
-    // matrix i = keys 16kk + 8*(i&1) + 0..7, dims 16dp + 8*(i>>1) + 0..7, giving
-    // (b0, b1) of d-tile 2dp and (b0, b1) of d-tile 2dp+1.
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      uint32_t a[4];
-      a[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = Mma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = Mma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = Mma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = Mma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(aV + kk * 16 * D * 2 + (dp >> 2) * 128 + vx[dp & 3], b0, b1, b2, b3);
-        Mma<T>::run(o[2 * dp], a, b0, b1);
-        Mma<T>::run(o[2 * dp + 1], a, b2, b3);
+        uint32_t vb[4];
+        ldsm_x4_t(aV + kk * 16 * D * 2 + ((dp * 32) ^ vx), vb);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<T>::run(o[mt][2 * dp], a[mt], vb[0], vb[1]);
+          Mma<T>::run(o[mt][2 * dp + 1], a[mt], vb[2], vb[3]);
+        }
       }
     }
   }
@@ -352,41 +370,48 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attn_fp16_kernel(co
   // ---- epilogue
   cp_async_wait<0>();
   __syncthreads();  // Q tile landed everywhere (matters when n == 0) before it is overwritten
+  // O (C layout: o[mt][j] = rows g, g+8 of m-tile mt x dims 8j+2t..) -> T,
+  // staged in this warp's own 32 rows of sQ (same swizzle; chunk j holds dims
+  // 8j..8j+7), then written out as 16-byte row segments.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f;
-  const float inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
-  // O (C layout: o[j] = rows g, g+8 x dims 8j+2t..) -> T, staged in this warp's
-  // own 16 rows of sQ (same swizzle; chunk j holds dims 8j..8j+7), then written
-  // out as 16-byte row segments.
+  for (int mt = 0; mt < kMT; ++mt) {
+    float inv[2];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    const int r = warp * 16 + g;
-    *reinterpret_cast<uint32_t*>(sQ + swz<D>(r, j) + 2 * t4) = Mma<T>::pack(o[j][0] * inv0, o[j][1] * inv0);
-    *reinterpret_cast<uint32_t*>(sQ + swz<D>(r + 8, j) + 2 * t4) = Mma<T>::pack(o[j][2] * inv1, o[j][3] * inv1);
+    for (int r = 0; r < 2; ++r) {
+      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
+      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
+      inv[r] = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
+    }
+    const int r = warp * 32 + mt * 16 + g;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(sQ + swz<D>(r, j) + 2 * t4) =
+          Mma<T>::pack(o[mt][j][0] * inv[0], o[mt][j][1] * inv[0]);
+      *reinterpret_cast<uint32_t*>(sQ + swz<D>(r + 8, j) + 2 * t4) =
+          Mma<T>::pack(o[mt][j][2] * inv[1], o[mt][j][3] * inv[1]);
+    }
   }
   __syncwarp();
   T* gO = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh;
 #pragma unroll
-  for (int i = 0; i < 16 * kChunks / 32; ++i) {
+  for (int i = 0; i < 32 * kChunks / 32; ++i) {
     const int c = lane + i * 32, r = c / kChunks, ch = c % kChunks;
-    const int row = q0 + warp * 16 + r;
+    const int row = row_lo + r;
     if (row < p.Lq)
       *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(row) * p.o_sl + ch * 8) =
-          *reinterpret_cast<const uint4*>(sQ + swz<D>(warp * 16 + r, ch));
+          *reinterpret_cast<const uint4*>(sQ + swz<D>(warp * 32 + r, ch));
   }
   if (p.lse != nullptr && t4 == 0) {
     constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row_lo + g + 8 * r;
-      if (row < p.Lq)
-        p.lse[b * p.lse_sb + h * p.lse_sh + static_cast<int64_t>(row) * p.lse_sl] =
-            l[r] > 0.f ? m[r] * kLn2 + logf(l[r]) : -INFINITY;
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row_lo + mt * 16 + g + 8 * r;
+        if (row < p.Lq)
+          p.lse[b * p.lse_sb + h * p.lse_sh + static_cast<int64_t>(row) * p.lse_sl] =
+              l[mt][r] > 0.f ? m[mt][r] * kLn2 + logf(l[mt][r]) : -INFINITY;
+      }
   }
 }
 
