@@ -354,3 +354,66 @@ sparge_problem_t cpu_problem(int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int
 }
 
 }  // namespace sparge_test
+
+namespace sparge_test {
+
+sparge_status_t run_attention(const Plan& plan, const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                              const HostTensor* mask, const sparge_predict_params_t* params, const HostTensor& out,
+                              const HostTensor* lse) {
+  const size_t n = plan.workspace_size();
+  auto ws = alloc_workspace(n);
+  return sparge_attention_run(plan.p, q.desc(), k.desc(), v.desc(), mask ? mask->desc() : nullptr, params,
+                              out.desc(), lse ? lse->desc() : nullptr, ws.get(), n, nullptr);
+}
+
+sparge_status_t run_predict(const Plan& plan, const HostTensor& q, const HostTensor& k,
+                            const sparge_predict_params_t* params, const HostTensor& mask, const HostTensor* kept) {
+  const size_t n = plan.workspace_size();
+  auto ws = alloc_workspace(n);
+  return sparge_predict_mask(plan.p, q.desc(), k.desc(), params, mask.desc(), kept ? kept->desc() : nullptr,
+                             ws.get(), n, nullptr);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+HostTensor full_mask(int64_t B, int64_t Hq, int64_t nQB, int64_t nKB) {
+  HostTensor m = make_dense(SPARGE_DTYPE_UINT8, {B, Hq, nQB, nKB});
+  std::memset(m.mem.get(), 1, m.bytes);
+  return m;
+}
+
+void copy_logical(const HostTensor& src, HostTensor& dst) {
+  const auto& s = src.t.shape;
+  const size_t es = dtype_bytes(src.t.dtype);
+  for (int64_t a = 0; a < s[0]; ++a)
+    for (int64_t b = 0; b < s[1]; ++b)
+      for (int64_t c = 0; c < s[2]; ++c)
+        for (int64_t d = 0; d < s[3]; ++d) {
+          const int64_t idx[4] = {a, b, c, d};
+          std::memcpy(dst.mem.get() + dst.offset(idx) * es, src.mem.get() + src.offset(idx) * es, es);
+        }
+}
+
+float e4m3_reference(float x) {
+  if (std::isnan(x)) return x;
+  // Enumerate the non-negative finite e4m3 values and pick the nearest (ties: even code).
+  static const std::vector<double> grid = [] {
+    std::vector<double> g;
+    for (int code = 0; code <= 0x7e; ++code) {
+      const int e = code >> 3, m = code & 7;
+      g.push_back(e == 0 ? m * std::ldexp(1.0, -9) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7));
+    }
+    return g;
+  }();
+  const double a = std::fabs(double(x));
+  if (a >= 448.0) return std::signbit(x) ? -448.0f : 448.0f;
+  size_t best = 0;
+  for (size_t c = 1; c < grid.size(); ++c) {
+    const double dc = std::fabs(grid[c] - a), db = std::fabs(grid[best] - a);
+    if (dc < db || (dc == db && (c % 2 == 0) && (best % 2 == 1))) best = c;
+  }
+  const float r = float(grid[best]);
+  return std::signbit(x) ? -r : r;
+}
+
+}  // namespace sparge_test

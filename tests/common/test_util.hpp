@@ -91,3 +91,20 @@ sparge_problem_t cpu_problem(int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int
                              sparge_dtype_t dt, sparge_precision_t prec, bool causal = false);
 
 }  // namespace sparge_test
+
+namespace sparge_test {
+// Runs sparge_attention_run / sparge_predict_mask with a workspace of exactly
+// the queried size (NULL tensors pass NULL).
+sparge_status_t run_attention(const Plan& plan, const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                              const HostTensor* mask, const sparge_predict_params_t* params, const HostTensor& out,
+                              const HostTensor* lse);
+sparge_status_t run_predict(const Plan& plan, const HostTensor& q, const HostTensor& k,
+                            const sparge_predict_params_t* params, const HostTensor& mask, const HostTensor* kept);
+// Block mask [B, Hq, nQB, nKB] with every entry 1.
+HostTensor full_mask(int64_t B, int64_t Hq, int64_t nQB, int64_t nKB);
+int64_t ceil_div(int64_t a, int64_t b);
+// Byte-wise copy of `src`'s logical contents into `dst` (same shape/dtype, any strides).
+void copy_logical(const HostTensor& src, HostTensor& dst);
+// fp8 e4m3 (satfinite, RNE) written from the format's definition, for cross-checks.
+float e4m3_reference(float x);
+}  // namespace sparge_test

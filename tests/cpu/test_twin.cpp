@@ -1,0 +1,251 @@
+// The INT8_FP8 quantization twin: hand-checked rounding cases, and a
+// bit-for-bit comparison with a second, test-side transcription of the steps
+// in docs/SEMANTICS.md.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+
+#include "test_util.hpp"
+
+using namespace sparge_test;
+
+namespace {
+
+sparge_predict_params_t no_smoothing() {
+  sparge_predict_params_t p = SPARGE_PREDICT_PARAMS_INIT;
+  p.smooth_k = 0;
+  return p;
+}
+
+// Runs INT8_FP8 attention on fp32 inputs given as dense [Lq, D] / [Lkv, D]
+// arrays with every block kept.
+struct Tiny {
+  HostTensor out, lse;
+};
+Tiny run_tiny(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
+              const std::vector<float>& v, float scale, bool smooth, const std::vector<uint8_t>& keys = {}) {
+  auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_INT8_FP8);
+  prob.scale = scale;
+  if (!keys.empty()) prob.block_k = 1;  // per-key mask
+  Plan plan(prob);
+  HostTensor tq = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
+  HostTensor tk = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
+  HostTensor tv = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
+  std::memcpy(tq.mem.get(), q.data(), q.size() * 4);
+  std::memcpy(tk.mem.get(), k.data(), k.size() * 4);
+  std::memcpy(tv.mem.get(), v.data(), v.size() * 4);
+  Tiny t{make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND), make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq})};
+  HostTensor mask = full_mask(1, 1, ceil_div(Lq, 128), keys.empty() ? ceil_div(Lkv, 64) : Lkv);
+  for (size_t j = 0; j < keys.size(); ++j)
+    for (int64_t i = 0; i < ceil_div(Lq, 128); ++i) mask.set(0, 0, i, int64_t(j), keys[j]);
+  sparge_predict_params_t params = no_smoothing();
+  params.smooth_k = smooth ? 1 : 0;
+  REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, t.out, &t.lse) == SPARGE_OK);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("twin: Q codes use round-half-even and a per-token scale", "[cpu][twin]") {
+  // q = [127, x]: amax 127 so q8 = [127, rint(x)]; k = [0, 127]: k8 = [0, 127], sk = 1.
+  // scale = 1/127: t = rint(x) * 127 * (1 * (scale * log2 e)) * 1, LSE = t ln 2 ~= rint(x).
+  const float xs[] = {0.5f, 1.5f, 2.5f, -2.5f, 3.5f, -0.5f, 126.5f};
+  const float expect[] = {0, 2, 2, -2, 4, 0, 126};
+  std::vector<float> q;
+  for (float x : xs) {
+    q.push_back(127.0f);
+    q.push_back(x);
+  }
+  const int64_t n = int64_t(sizeof(xs) / sizeof(xs[0]));
+  Tiny t = run_tiny(n, 1, 2, q, {0.0f, 127.0f}, {1.0f, -2.0f}, 1.0f / 127.0f, false);
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("x = " << xs[i]);
+    CHECK(t.lse.get(0, 0, i) == Approx(expect[i]).margin(1e-4));
+    // one key: the output is that key's V up to the V and P rounding (448 and v8 exact here)
+    CHECK(t.out.get(0, 0, i, 0) == Approx(1.0f).epsilon(1e-6));
+    CHECK(t.out.get(0, 0, i, 1) == Approx(-2.0f).epsilon(1e-6));
+  }
+  // a second token with a small amax gets its own scale: [0.01, 0.005] -> codes [127, 64] (63.5 -> 64)
+  Tiny u = run_tiny(1, 1, 2, {0.01f, 0.005f}, {0.0f, 127.0f}, {1.0f, 1.0f}, 1.0f / 127.0f, false);
+  // t = 64 * 127 * ((0.01/127) * log2e / 127) * 1 -> LSE = 64 * 0.01 / 127
+  CHECK(u.lse.get(0, 0, 0) == Approx(64.0 * 0.01 / 127.0).epsilon(1e-5));
+}
+
+TEST_CASE("twin: V uses per-channel scales and e4m3 with ties to even", "[cpu][twin]") {
+  // Two identical keys: p = 1 for both, l = 2, o = (e4m3(448) * (v8_0 + v8_1)) * (sv/448) / 2.
+  // v = [448, x] per channel: sv = 1, v8 = [448, e4m3(x)].
+  struct Case {
+    float x, rounded;
+  };
+  const float sub = std::ldexp(1.0f, -9);
+  const Case cases[] = {{1.0625f, 1.0f}, {1.1875f, 1.25f}, {1.5f * sub, 2 * sub}, {0.5f * sub, 0.0f},
+                        {232.0f, 224.0f}, {-232.0f, -224.0f}};
+  for (const Case& c : cases) {
+    INFO("x = " << c.x);
+    Tiny t = run_tiny(1, 2, 1, {1.0f}, {1.0f, 1.0f}, {448.0f, c.x}, 0.125f, false);
+    const double expect = (448.0 + double(c.rounded)) / 2.0;
+    CHECK(t.out.get(0, 0, 0, 0) == Approx(expect).margin(2e-5));
+    CHECK(std::fabs(t.out.get(0, 0, 0, 0) - (448.0 + double(c.x)) / 2.0) ==
+          Approx(std::fabs(double(c.rounded) - double(c.x)) / 2.0).margin(2e-5));
+  }
+  // Channels are scaled independently: channel 1 is tiny but keeps its precision.
+  Tiny t = run_tiny(1, 2, 2, {1.0f, 0.0f}, {1.0f, 0.0f, 1.0f, 0.0f}, {448.0f, 1e-3f, 448.0f, 0.5e-3f}, 0.125f, false);
+  CHECK(t.out.get(0, 0, 0, 1) == Approx(0.75e-3).epsilon(1e-6));
+}
+
+TEST_CASE("twin: K codes per 64-key block on smoothed K", "[cpu][twin]") {
+  // Key 0 = [0, 127] is in quantization block 0 (amax 127), key 64 = [0, 0.3]
+  // alone in block 1: with its own scale it keeps its value (code 127); with one
+  // scale for all keys it would quantize to 0. Only keys 0 and 64 are used.
+  const int64_t Lkv = 65;
+  std::vector<float> k(size_t(Lkv * 2), 0.0f), v(size_t(Lkv * 2), 1.0f);
+  k[1] = 127.0f;
+  k[64 * 2 + 1] = 0.3f;
+  std::vector<uint8_t> keys(size_t(Lkv), 0);
+  keys[0] = keys[64] = 1;
+  const float scale = 1.0f / (127.0f * 127.0f);
+  const double s0 = 1.0, s64 = 0.3 / 127.0;
+  const double lse = std::log(std::exp(s0) + std::exp(s64));  // 1.31389 (1.31327 if key 64 were 0)
+  Tiny t = run_tiny(1, Lkv, 2, {0.0f, 127.0f}, k, v, scale, false, keys);
+  CHECK(t.lse.get(0, 0, 0) == Approx(lse).epsilon(2e-6));
+  // With smoothing (mu = mean over all 65 keys) the codes change but the LSE is
+  // that of the real scores: the shift scale * q.mu is added back.
+  Tiny s = run_tiny(1, Lkv, 2, {0.0f, 127.0f}, k, v, scale, true, keys);
+  CHECK(s.lse.get(0, 0, 0) == Approx(lse).epsilon(2e-4));
+}
+
+namespace {
+
+// A second transcription of SEMANTICS.md's INT8_FP8 steps (one head, float
+// inputs given as dense arrays, every key of the row used unless masked).
+void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
+                    const std::vector<float>& v, const std::vector<uint8_t>& used /* [Lq, Lkv] */, float scale,
+                    bool smooth, std::vector<float>& out, std::vector<float>& lse) {
+  std::vector<float> mu(size_t(D), 0.0f);
+  if (smooth)
+    for (int64_t c = 0; c < D; ++c) {
+      double s = 0;
+      for (int64_t j = 0; j < Lkv; ++j) s += k[size_t(j * D + c)];
+      mu[size_t(c)] = float(s / double(Lkv));
+    }
+  auto q8of = [](float x, float inv) { return std::min(127.0f, std::max(-127.0f, std::nearbyint(x * inv))); };
+  const int64_t nT = (Lkv + 63) / 64;
+  std::vector<float> k8(size_t(Lkv * D), 0.0f), sk(size_t(nT), 0.0f);
+  for (int64_t tb = 0; tb < nT; ++tb) {
+    float a = 0;
+    for (int64_t j = tb * 64; j < std::min(Lkv, tb * 64 + 64); ++j)
+      for (int64_t c = 0; c < D; ++c) a = std::max(a, std::fabs(k[size_t(j * D + c)] - mu[size_t(c)]));
+    if (a == 0) continue;
+    sk[size_t(tb)] = a / 127.0f;
+    for (int64_t j = tb * 64; j < std::min(Lkv, tb * 64 + 64); ++j)
+      for (int64_t c = 0; c < D; ++c) k8[size_t(j * D + c)] = q8of(k[size_t(j * D + c)] - mu[size_t(c)], 127.0f / a);
+  }
+  std::vector<float> v8(size_t(Lkv * D), 0.0f), sv(size_t(D), 0.0f);
+  for (int64_t c = 0; c < D; ++c) {
+    float a = 0;
+    for (int64_t j = 0; j < Lkv; ++j) a = std::max(a, std::fabs(v[size_t(j * D + c)]));
+    if (a == 0) continue;
+    sv[size_t(c)] = a / 448.0f;
+    for (int64_t j = 0; j < Lkv; ++j) v8[size_t(j * D + c)] = e4m3_reference(v[size_t(j * D + c)] * (448.0f / a));
+  }
+  out.assign(size_t(Lq * D), 0.0f);
+  lse.assign(size_t(Lq), -INFINITY);
+  for (int64_t i = 0; i < Lq; ++i) {
+    float a = 0;
+    for (int64_t c = 0; c < D; ++c) a = std::max(a, std::fabs(q[size_t(i * D + c)]));
+    std::vector<float> q8(size_t(D), 0.0f);
+    const float sq = a == 0 ? 0.0f : a / 127.0f;
+    if (a != 0)
+      for (int64_t c = 0; c < D; ++c) q8[size_t(c)] = q8of(q[size_t(i * D + c)], 127.0f / a);
+    float m = -INFINITY, l = 0;
+    std::vector<float> acc(size_t(D), 0.0f);
+    for (int64_t tb = 0; tb < nT; ++tb) {
+      const int64_t j0 = tb * 64, j1 = std::min(Lkv, j0 + 64);
+      std::vector<float> t(64, -INFINITY);
+      bool any = false;
+      float tmax = -INFINITY;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (!used[size_t(i * Lkv + j)]) continue;
+        any = true;
+        int32_t dot = 0;
+        for (int64_t c = 0; c < D; ++c) dot += int32_t(q8[size_t(c)]) * int32_t(k8[size_t(j * D + c)]);
+        t[size_t(j - j0)] = float(dot) * ((sq * (scale * 1.4426950408889634f)) * sk[size_t(tb)]);
+        tmax = std::max(tmax, t[size_t(j - j0)]);
+      }
+      if (!any) continue;
+      const float mn = std::max(m, tmax);
+      const float alpha = m == -INFINITY ? 0.0f : std::exp2(m - mn);
+      float ps = 0;
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (t[size_t(j - j0)] == -INFINITY) continue;
+        const float p = std::exp2(t[size_t(j - j0)] - mn);
+        ps += p;
+        const float p8 = e4m3_reference(p * 448.0f);
+        for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p8 * v8[size_t(j * D + c)];
+      }
+      l = l * alpha + ps;
+      m = mn;
+    }
+    if (l == 0) continue;
+    double qmu = 0;
+    for (int64_t c = 0; c < D; ++c) qmu += double(q[size_t(i * D + c)]) * double(mu[size_t(c)]);
+    for (int64_t c = 0; c < D; ++c) out[size_t(i * D + c)] = acc[size_t(c)] * (sv[size_t(c)] / 448.0f) / l;
+    lse[size_t(i)] = m * 0.693147180559945309f + std::log(l) + float(double(scale) * qmu);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][twin]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (bool causal : {false, true})
+    for (bool smooth : {false, true}) {
+      INFO("causal " << causal << " smooth " << smooth);
+      const int64_t Lq = 150, Lkv = 200, D = 40;
+      auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_INT8_FP8, causal);
+      prob.block_q = 32;
+      prob.block_k = 16;
+      prob.scale = 0.2f;
+      Plan plan(prob);
+      std::vector<float> q(size_t(Lq * D)), k(size_t(Lkv * D)), v(size_t(Lkv * D));
+      for (auto& x : q) x = nd(rng);
+      for (auto& x : k) x = nd(rng) + 0.7f;
+      for (auto& x : v) x = nd(rng) * 3.0f;
+      for (int64_t c = 0; c < D; ++c) v[size_t(5 * D + c)] = 0.0f;  // a zero row of V
+      for (int64_t c = 0; c < D; ++c) q[size_t(7 * D + c)] = 0.0f;  // a zero row of Q
+      HostTensor tq = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
+      HostTensor tk = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
+      HostTensor tv = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
+      std::memcpy(tq.mem.get(), q.data(), q.size() * 4);
+      std::memcpy(tk.mem.get(), k.data(), k.size() * 4);
+      std::memcpy(tv.mem.get(), v.data(), v.size() * 4);
+      const int64_t nQB = ceil_div(Lq, 32), nKB = ceil_div(Lkv, 16);
+      HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, nQB, nKB});
+      for (int64_t i = 0; i < nQB; ++i)
+        for (int64_t j = 0; j < nKB; ++j) mask.set(0, 0, i, j, (rng() % 4) ? 1.0f : 0.0f);
+      std::vector<uint8_t> used(size_t(Lq * Lkv));
+      for (int64_t i = 0; i < Lq; ++i)
+        for (int64_t j = 0; j < Lkv; ++j)
+          used[size_t(i * Lkv + j)] = (mask.get(0, 0, i / 32, j / 16) != 0) && (!causal || j <= i + (Lkv - Lq));
+      HostTensor out = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
+      HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq});
+      sparge_predict_params_t params = no_smoothing();
+      params.smooth_k = smooth;
+      REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
+      std::vector<float> ro, rl;
+      twin_reference(Lq, Lkv, D, q, k, v, used, 0.2f, smooth, ro, rl);
+      int64_t mismatches = 0;
+      for (int64_t i = 0; i < Lq; ++i) {
+        const float a = lse.get(0, 0, i), b = rl[size_t(i)];
+        if (!(a == b)) ++mismatches;
+        for (int64_t c = 0; c < D; ++c)
+          if (!(out.get(0, 0, i, c) == ro[size_t(i * D + c)])) ++mismatches;
+      }
+      CHECK(mismatches == 0);
+    }
+}
