@@ -123,7 +123,8 @@ def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_
                 p /= p.sum()
                 order = sorted(range(nv), key=lambda j: (-p[j], j))
                 if mode == "topk":
-                    n = max(1, min(nv, int(math.floor(per_head(topk, h) * nv))))
+                    # topk crosses the ABI as a float32 (0.9 arrives as 0.89999998)
+                    n = max(1, min(nv, int(math.floor(float(np.float32(per_head(topk, h))) * nv))))
                     if n < nv:
                         margin[b, h, qb] = p[order[n - 1]] - p[order[n]]
                 else:

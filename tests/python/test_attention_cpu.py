@@ -30,8 +30,9 @@ def check_lse(lse, expect, precision):
     fin = np.isfinite(expect)
     assert np.array_equal(np.isfinite(lse), fin), "LSE -inf rows differ"
     assert np.all(lse[~fin] == -np.inf)
-    tol = 1e-4 if precision == "exact" else 2e-2
-    np.testing.assert_allclose(lse[fin], expect[fin], atol=tol, rtol=tol)
+    # int8 Q·K: a row with few keys has the quantization error of a single dot product
+    atol, rtol = {"exact": (1e-4, 1e-4), "fp16": (1e-2, 1e-2), "int8_fp8": (6e-2, 2e-2)}[precision]
+    np.testing.assert_allclose(lse[fin], expect[fin], atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("precision,dtype", PRECISION_DTYPES)
