@@ -1,0 +1,168 @@
+// CUDA backend entry points (core/backend.hpp): device checks at plan time,
+// and the predict / attention pipelines. Everything runs on the caller's
+// stream: no allocation, no host synchronization (CUDA-graph capturable).
+#include <cuda_runtime.h>
+
+#include "core/backend.hpp"
+#include "core/error.hpp"
+#include "cuda/internal.cuh"
+#include "cuda/predict/predict.cuh"
+
+namespace sparge {
+namespace cuda {
+
+sparge_status_t cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return SPARGE_OK;
+  return fail(SPARGE_ERR_CUDA, "%s failed: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+namespace {
+
+// Makes `id` the current device for the lifetime of the guard and restores
+// the caller's device afterwards.
+class DeviceGuard {
+ public:
+  sparge_status_t enter(int id) {
+    SPARGE_CUDA_TRY(cudaGetDevice(&prev_));
+    if (prev_ != id) {
+      SPARGE_CUDA_TRY(cudaSetDevice(id));
+      switched_ = true;
+    }
+    return SPARGE_OK;
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+};
+
+MaskView workspace_mask(const Problem& p, void* ws, size_t off) {
+  MaskView m;
+  m.data = ws_ptr<uint8_t>(ws, off);
+  m.stride[3] = 1;
+  m.stride[2] = p.nKB;
+  m.stride[1] = p.nQB * p.nKB;
+  m.stride[0] = p.Hq * p.nQB * p.nKB;
+  return m;
+}
+
+}  // namespace
+
+bool built() { return true; }
+
+sparge_status_t check_device(const Problem& p, int* sm_version) {
+  if (sm_version) *sm_version = 0;
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    cudaGetLastError();  // clear a sticky error
+    if (e != cudaSuccess)
+      return fail(SPARGE_ERR_NO_DEVICE, "no usable CUDA device: %s (%s)", cudaGetErrorName(e),
+                  cudaGetErrorString(e));
+    return fail(SPARGE_ERR_NO_DEVICE, "no CUDA device found");
+  }
+  if (p.device_id < 0 || p.device_id >= n)
+    return fail(SPARGE_ERR_NO_DEVICE, "problem.device_id %d: no such CUDA device (%d present)", p.device_id, n);
+  cudaDeviceProp prop;
+  SPARGE_CUDA_TRY(cudaGetDeviceProperties(&prop, p.device_id));
+  if (sm_version) *sm_version = prop.major * 10 + prop.minor;
+  if (prop.major != 9 || prop.minor != 0)
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "CUDA device %d (%s) has compute capability %d.%d; this build carries sm_90a code only "
+                "(compute capability 9.0)",
+                p.device_id, prop.name, prop.major, prop.minor);
+  if (p.precision != SPARGE_PRECISION_INT8_FP8 && p.precision != SPARGE_PRECISION_FP16)
+    return fail(SPARGE_ERR_UNSUPPORTED, "precision %d: the CUDA backend runs INT8_FP8 and FP16 only",
+                int(p.precision));
+  return predict_supported(p);
+}
+
+sparge_status_t pointer_on_device(const void* ptr, int device_id, const char* name) {
+  cudaPointerAttributes at;
+  const cudaError_t e = cudaPointerGetAttributes(&at, ptr);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(SPARGE_ERR_INVALID_ARGUMENT, "%s: %p is not CUDA memory (%s)", name, ptr, cudaGetErrorString(e));
+  }
+  switch (at.type) {
+    case cudaMemoryTypeDevice:
+    case cudaMemoryTypeManaged:
+      if (at.device != device_id)
+        return fail(SPARGE_ERR_INVALID_ARGUMENT, "%s: %p is memory of CUDA device %d, the plan runs on device %d",
+                    name, ptr, at.device, device_id);
+      return SPARGE_OK;
+    case cudaMemoryTypeHost:
+      return fail(SPARGE_ERR_INVALID_ARGUMENT, "%s: %p is host memory; expected memory of CUDA device %d", name,
+                  ptr, device_id);
+    default:
+      return fail(SPARGE_ERR_INVALID_ARGUMENT,
+                  "%s: %p is not CUDA memory (unregistered host pointer); expected memory of CUDA device %d", name,
+                  ptr, device_id);
+  }
+}
+
+sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, const PredictConfig& cfg,
+                        const MaskView& mask_out, const KeptView* kept, void* workspace, void* stream) {
+  DeviceGuard guard;
+  SPARGE_TRY(guard.enter(plan.prob.device_id));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false));
+  SPARGE_TRY(launch_select(plan, cfg, mask_out, kept, workspace, s));
+  return SPARGE_OK;
+}
+
+sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                          const MaskView* mask, const PredictConfig& cfg, const Tensor4& out, const LseView* lse,
+                          void* workspace, void* stream) {
+  const Problem& p = plan.prob;
+  const WorkspaceLayout& L = plan.ws;
+  DeviceGuard guard;
+  SPARGE_TRY(guard.enter(p.device_id));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const bool int8 = p.precision == SPARGE_PRECISION_INT8_FP8;
+
+  if (int8)
+    SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true));
+  else if (mask == nullptr)
+    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false));
+
+  if (mask == nullptr) {
+    const MaskView wm = workspace_mask(p, workspace, L.mask);
+    KeptView wk;
+    wk.data = ws_ptr<int32_t>(workspace, L.kept);
+    wk.stride[0] = p.Hq;
+    wk.stride[1] = 1;
+    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s));
+    SPARGE_TRY(launch_mask_to_lists(plan, wm, workspace, s));
+  } else {
+    SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));
+  }
+
+  AttnArgs a;
+  a.prob = p;
+  if (int8) {
+    a.q_i8 = ws_ptr<const int8_t>(workspace, L.q_i8);
+    a.q_scale = ws_ptr<const float>(workspace, L.q_scale);
+    a.q_mu = ws_ptr<const float>(workspace, L.q_mu);
+    a.k_i8 = ws_ptr<const int8_t>(workspace, L.k_i8);
+    a.k_scale = ws_ptr<const float>(workspace, L.k_scale);
+    a.v_f8 = ws_ptr<const uint8_t>(workspace, L.v_f8);
+    a.v_amax = ws_ptr<const float>(workspace, L.v_amax);
+  }
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.idx = ws_ptr<const int32_t>(workspace, L.idx);
+  a.cnt = ws_ptr<const int32_t>(workspace, L.cnt);
+  a.order = ws_ptr<const int32_t>(workspace, L.order);
+  a.out = out;
+  if (lse) a.lse = *lse;
+  if (int8) return launch_attention_sm90_int8fp8(a, s);
+  return launch_attention_fp16(a, s);
+}
+
+}  // namespace cuda
+}  // namespace sparge

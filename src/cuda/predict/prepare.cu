@@ -1,0 +1,572 @@
+// Preparation kernels: column statistics (K mean, V max|.|), the Q pass
+// (pooled mean, self-similarity, per-token int8 quantization, LSE shift), the
+// K pass (smoothing, pooled mean, self-similarity, per-64-key-block int8
+// quantization) and the V pass (per-channel fp8 e4m3, transposed and
+// token-permuted). Semantics: docs/SEMANTICS.md; pipeline: docs/PREDICTION.md.
+//
+// Statistics that feed the prediction (pooled means, self-similarities, the K
+// mean) accumulate in float64 and are rounded to float32 once, as the CPU
+// reference does, so both backends see the same pooled vectors. The int8/fp8
+// quantization follows SEMANTICS.md's float32 operation order exactly.
+#include <cuda_fp8.h>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/internal.cuh"
+#include "cuda/predict/predict.cuh"
+
+namespace sparge {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// ---------------------------------------------------------------- column statistics
+struct ColArgs {
+  Tensor4 k, v;
+  int64_t Hkv, Lkv, nchunk;
+  bool do_k, do_v;
+  double* ksum;  // [B*Hkv, nchunk, D]
+  float* vmax;   // [B*Hkv, nchunk, D]
+};
+
+// One CTA per (b, hkv, chunk of kGpuColChunk keys): partial column sums of K
+// (float64) and column max|V|, reduced in a fixed order.
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(kThreads) col_partial_kernel(const ColArgs a) {
+  constexpr int TPR = D / 8, RPI = kThreads / TPR, U = 4;
+  const int64_t chunk = blockIdx.x % a.nchunk, bhk = blockIdx.x / a.nchunk;
+  const int64_t b = bhk / a.Hkv, hk = bhk % a.Hkv;
+  const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
+  const int64_t r0 = chunk * kGpuColChunk;
+  const int64_t r1 = min(a.Lkv, r0 + int64_t(kGpuColChunk));
+  const T* kp = static_cast<const T*>(a.k.data);
+  const T* vp = static_cast<const T*>(a.v.data);
+
+  double ks[8];
+  float vm[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) ks[c] = 0.0, vm[c] = 0.f;
+
+  for (int64_t r = r0 + lr; r < r1; r += int64_t(RPI) * U) {
+    uint4 kr[U], vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t rr = r + int64_t(u) * RPI;
+      kr[u] = make_uint4(0, 0, 0, 0);
+      vr[u] = make_uint4(0, 0, 0, 0);
+      if (rr < r1) {
+        if (a.do_k) kr[u] = load8_raw<VEC>(kp + a.k.offset(b, hk, rr, cg * 8));
+        if (a.do_v) vr[u] = load8_raw<VEC>(vp + a.v.offset(b, hk, rr, cg * 8));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float f[8];
+      if (a.do_k) {  // rows past r1 loaded as zeros: they add nothing
+        unpack8<T>(kr[u], f);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) ks[c] += double(f[c]);
+      }
+      if (a.do_v) {
+        unpack8<T>(vr[u], f);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) vm[c] = fmaxf(vm[c], fabsf(f[c]));
+      }
+    }
+  }
+  // lanes with the same column group: xor over the row bits of the lane id
+#pragma unroll
+  for (int o = TPR; o < 32; o <<= 1) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      ks[c] += __shfl_xor_sync(0xffffffffu, ks[c], o);
+      vm[c] = fmaxf(vm[c], __shfl_xor_sync(0xffffffffu, vm[c], o));
+    }
+  }
+  constexpr int NW = kThreads / 32;
+  __shared__ double sk[NW][D];
+  __shared__ float sv[NW][D];
+  const int lane = tid & 31, warp = tid >> 5;
+  if (lane < TPR) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      sk[warp][cg * 8 + c] = ks[c];
+      sv[warp][cg * 8 + c] = vm[c];
+    }
+  }
+  __syncthreads();
+  if (tid < D) {
+    double s = 0.0;
+    float m = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      s += sk[w][tid];
+      m = fmaxf(m, sv[w][tid]);
+    }
+    const int64_t o = (bhk * a.nchunk + chunk) * D + tid;
+    if (a.do_k) a.ksum[o] = s;
+    if (a.do_v) a.vmax[o] = m;
+  }
+}
+
+// One CTA of D threads per (b, hkv): k_mean = float(sum / Lkv) (zeros without
+// smoothing), v_amax = max over the chunks.
+__global__ void col_finalize_kernel(const double* __restrict__ ksum, const float* __restrict__ vmax,
+                                    int64_t nchunk, int64_t Lkv, int D, bool do_k, bool do_v,
+                                    float* __restrict__ k_mean, float* __restrict__ v_amax) {
+  const int64_t bhk = blockIdx.x;
+  const int c = threadIdx.x;
+  if (c >= D) return;
+  double s = 0.0;
+  float m = 0.f;
+  const int64_t base = bhk * nchunk * D + c;
+#pragma unroll 8
+  for (int64_t ch = 0; ch < nchunk; ++ch) {
+    if (do_k) s += ksum[base + ch * D];
+    if (do_v) m = fmaxf(m, vmax[base + ch * D]);
+  }
+  k_mean[bhk * D + c] = do_k ? float(s / double(Lkv)) : 0.f;
+  if (do_v) v_amax[bhk * D + c] = m;
+}
+
+// ---------------------------------------------------------------- pooled block statistics
+// Per-thread float64 column partials of a block (8 columns per thread) ->
+// pooled mean and self-similarity, written by the block. `red` is shared
+// scratch [2][NW][D] doubles plus 32 doubles.
+template <int D, int TPR>
+__device__ __forceinline__ void block_pool_finish(double (&ps)[8], double (&us)[8], int n, double* red,
+                                                  float* pooled_out, float* sim_out) {
+  constexpr int NW = kThreads / 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, cg = tid % TPR;
+#pragma unroll
+  for (int o = TPR; o < 32; o <<= 1) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      ps[c] += __shfl_xor_sync(0xffffffffu, ps[c], o);
+      us[c] += __shfl_xor_sync(0xffffffffu, us[c], o);
+    }
+  }
+  double* rp = red;                // [NW][D]
+  double* ru = red + NW * D;       // [NW][D]
+  double* rs = red + 2 * NW * D;   // [32]
+  if (lane < TPR) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      rp[warp * D + cg * 8 + c] = ps[c];
+      ru[warp * D + cg * 8 + c] = us[c];
+    }
+  }
+  __syncthreads();
+  if (tid < D) {
+    double P = 0.0, Uc = 0.0;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      P += rp[w * D + tid];
+      Uc += ru[w * D + tid];
+    }
+    pooled_out[tid] = float(P / double(n));
+    double u2 = warp_sum(Uc * Uc);
+    if (lane == 0) rs[warp] = u2;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    double u2 = 0.0;
+#pragma unroll
+    for (int w = 0; w < D / 32; ++w) u2 += rs[w];
+    *sim_out = float(u2 / (double(n) * double(n)));
+  }
+}
+
+// Accumulates one row (8 columns per thread, TPR threads per row) into the
+// pooled sums; returns the row's squared norm (float64, group-reduced).
+template <int TPR>
+__device__ __forceinline__ void pool_row(const float (&x)[8], double (&ps)[8], double (&us)[8]) {
+  double n2 = 0.0;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) n2 += double(x[c]) * double(x[c]);
+  n2 = group_sum<TPR>(n2);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) ps[c] += double(x[c]);
+  if (n2 > 0.0) {
+    const double inv = 1.0 / sqrt(n2);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) us[c] += double(x[c]) * inv;
+  }
+}
+
+// int8 code of x with the inverse scale `inv` (SEMANTICS: clamp(rint(x * inv), -127, 127)).
+__device__ __forceinline__ uint32_t q8_byte(float x, float inv) {
+  int r = __float2int_rn(x * inv);
+  r = max(-127, min(127, r));
+  return uint32_t(r) & 0xffu;
+}
+__device__ __forceinline__ uint2 quant8(const float (&x)[8], float a) {
+  uint2 o = make_uint2(0, 0);
+  if (a > 0.f) {
+    const float inv = 127.f / a;
+    o.x = q8_byte(x[0], inv) | (q8_byte(x[1], inv) << 8) | (q8_byte(x[2], inv) << 16) | (q8_byte(x[3], inv) << 24);
+    o.y = q8_byte(x[4], inv) | (q8_byte(x[5], inv) << 8) | (q8_byte(x[6], inv) << 16) | (q8_byte(x[7], inv) << 24);
+  }
+  return o;
+}
+
+// ---------------------------------------------------------------- Q pass
+struct QArgs {
+  Tensor4 q;
+  int64_t Hq, Hkv, group, Lq, nQB;
+  float scale;
+  bool smooth, quant;
+  const float* k_mean;  // [B*Hkv, D]
+  float* pooled_q;      // [B*Hq, nQB, D]
+  float* sim_q;         // [B*Hq, nQB]
+  int8_t* q_i8;         // [B*Hq, nQB*128, D]
+  float* q_scale;       // [B*Hq, nQB*128]
+  float* q_mu;          // [B*Hq, nQB*128]
+};
+
+// One CTA per (b, h, 128-row query block).
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(kThreads) q_pass_kernel(const QArgs a) {
+  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI, NW = kThreads / 32;
+  __shared__ double red[2 * NW * D + 32];
+  const int64_t qb = blockIdx.x % a.nQB, bh = blockIdx.x / a.nQB;
+  const int64_t b = bh / a.Hq, h = bh % a.Hq, bhk = b * a.Hkv + h / a.group;
+  const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
+  const int64_t row0 = qb * kGpuBlockQ;
+  const T* qp = static_cast<const T*>(a.q.data);
+
+  uint4 raw[ITER];
+#pragma unroll
+  for (int it = 0; it < ITER; ++it) {
+    const int64_t row = row0 + it * RPI + lr;
+    raw[it] = row < a.Lq ? load8_raw<VEC>(qp + a.q.offset(b, h, row, cg * 8)) : make_uint4(0, 0, 0, 0);
+  }
+  float mu[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) mu[c] = 0.f;
+  if (a.quant && a.smooth) {
+    const float4* m4 = reinterpret_cast<const float4*>(a.k_mean + bhk * D + cg * 8);
+    const float4 m0 = m4[0], m1 = m4[1];
+    mu[0] = m0.x, mu[1] = m0.y, mu[2] = m0.z, mu[3] = m0.w;
+    mu[4] = m1.x, mu[5] = m1.y, mu[6] = m1.z, mu[7] = m1.w;
+  }
+
+  double ps[8], us[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) ps[c] = 0.0, us[c] = 0.0;
+  const int64_t lq_pad = a.nQB * kGpuBlockQ;
+#pragma unroll
+  for (int it = 0; it < ITER; ++it) {
+    const int64_t row = row0 + it * RPI + lr;
+    float x[8];
+    unpack8<T>(raw[it], x);  // rows past Lq are zeros
+    pool_row<TPR>(x, ps, us);
+    if (a.quant) {
+      float am = 0.f;
+      double dm = 0.0;  // q . mu in float64 (the LSE shift), as the CPU reference
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        am = fmaxf(am, fabsf(x[c]));
+        dm += double(x[c]) * double(mu[c]);
+      }
+      am = group_max<TPR>(am);
+      dm = group_sum<TPR>(dm);
+      const int64_t prow = bh * lq_pad + row;
+      *reinterpret_cast<uint2*>(a.q_i8 + prow * D + cg * 8) = quant8(x, am);
+      if (cg == 0) {
+        a.q_scale[prow] = am / 127.f;
+        a.q_mu[prow] = row < a.Lq ? float(double(a.scale) * dm) : 0.f;
+      }
+    }
+  }
+  const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
+  const int64_t blk = bh * a.nQB + qb;
+  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
+}
+
+// ---------------------------------------------------------------- K pass
+struct KArgs {
+  Tensor4 k;
+  int64_t Hkv, Lkv, nKB;
+  bool smooth, quant;
+  const float* k_mean;  // [B*Hkv, D]
+  float* pooled_k;      // [B*Hkv, nKB, D]
+  float* sim_k;         // [B*Hkv, nKB]
+  int8_t* k_i8;         // [B*Hkv, nKB*64, D]
+  float* k_scale;       // [B*Hkv, nKB]
+};
+
+// One CTA per (b, hkv, 64-key block).
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(kThreads) k_pass_kernel(const KArgs a) {
+  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockK / RPI, NW = kThreads / 32;
+  __shared__ double red[2 * NW * D + 32];
+  __shared__ float fred[32];
+  const int64_t kb = blockIdx.x % a.nKB, bhk = blockIdx.x / a.nKB;
+  const int64_t b = bhk / a.Hkv, hk = bhk % a.Hkv;
+  const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
+  const int64_t row0 = kb * kGpuBlockK;
+  const T* kp = static_cast<const T*>(a.k.data);
+
+  uint4 raw[ITER];
+#pragma unroll
+  for (int it = 0; it < ITER; ++it) {
+    const int64_t row = row0 + it * RPI + lr;
+    raw[it] = row < a.Lkv ? load8_raw<VEC>(kp + a.k.offset(b, hk, row, cg * 8)) : make_uint4(0, 0, 0, 0);
+  }
+  float mu[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) mu[c] = 0.f;
+  if (a.smooth) {
+    const float4* m4 = reinterpret_cast<const float4*>(a.k_mean + bhk * D + cg * 8);
+    const float4 m0 = m4[0], m1 = m4[1];
+    mu[0] = m0.x, mu[1] = m0.y, mu[2] = m0.z, mu[3] = m0.w;
+    mu[4] = m1.x, mu[5] = m1.y, mu[6] = m1.z, mu[7] = m1.w;
+  }
+
+  float x[ITER][8];
+  double ps[8], us[8];
+  float am = 0.f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) ps[c] = 0.0, us[c] = 0.0;
+#pragma unroll
+  for (int it = 0; it < ITER; ++it) {
+    const int64_t row = row0 + it * RPI + lr;
+    unpack8<T>(raw[it], x[it]);
+    const bool valid = row < a.Lkv;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      x[it][c] = valid ? x[it][c] - mu[c] : 0.f;  // k' = k - mu (float32); pad rows stay zero
+      am = fmaxf(am, fabsf(x[it][c]));
+    }
+    pool_row<TPR>(x[it], ps, us);
+  }
+  if (a.quant) {
+    am = block_reduce(am, fred, OpMax{});
+    const int64_t lk_pad = a.nKB * kGpuBlockK;
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+      const int64_t prow = bhk * lk_pad + row0 + it * RPI + lr;
+      *reinterpret_cast<uint2*>(a.k_i8 + prow * D + cg * 8) = quant8(x[it], am);
+    }
+    if (tid == 0) a.k_scale[bhk * a.nKB + kb] = am / 127.f;
+  }
+  const int n = int(min(int64_t(kGpuBlockK), a.Lkv - row0));
+  const int64_t blk = bhk * a.nKB + kb;
+  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
+}
+
+// ---------------------------------------------------------------- V pass
+struct VArgs {
+  Tensor4 v;
+  int64_t Hkv, Lkv, lk_pad, ntile;
+  const float* v_amax;  // [B*Hkv, D]
+  uint8_t* v_f8;        // [B*Hkv, D, lk_pad]
+};
+
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+
+// One CTA of D/8 warps per (b, hkv, tile of 128 token slots). Warp w owns
+// channels 8w..8w+7; lane l owns the four consecutive slots 4l..4l+3 of the
+// tile, i.e. the keys perm32(kk) of their group of 32. Each lane reads its four
+// keys (16 bytes each) and writes one 32-bit word per channel: every channel
+// row of the tile is a contiguous 128-byte store of the warp.
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
+  const int64_t tile = blockIdx.x % a.ntile, bhk = blockIdx.x / a.ntile;
+  const int64_t b = bhk / a.Hkv, hk = bhk % a.Hkv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = warp * 8;
+  const int64_t s0 = tile * 128 + lane * 4;  // first slot of this lane
+  if (s0 >= a.lk_pad) return;
+  const int64_t g = s0 & ~int64_t(31);
+  const int kk0 = int(s0 & 31);
+  const T* vp = static_cast<const T*>(a.v.data);
+
+  uint4 raw[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t j = g + perm32(kk0 + i);
+    raw[i] = j < a.Lkv ? load8_raw<VEC>(vp + a.v.offset(b, hk, j, c0)) : make_uint4(0, 0, 0, 0);
+  }
+  float inv[8];
+  bool nz[8];
+  {
+    const float4* m4 = reinterpret_cast<const float4*>(a.v_amax + bhk * D + c0);
+    const float4 m0 = m4[0], m1 = m4[1];
+    const float am[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      nz[c] = am[c] > 0.f;
+      inv[c] = nz[c] ? kFp8Max / am[c] : 0.f;
+    }
+  }
+  float x[4][8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) unpack8<T>(raw[i], x[i]);
+  uint8_t* dst = a.v_f8 + (bhk * D + c0) * a.lk_pad + s0;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    uint32_t w = 0;
+    if (nz[c]) {
+      w = e4m3x2(x[0][c] * inv[c], x[1][c] * inv[c]) | (e4m3x2(x[2][c] * inv[c], x[3][c] * inv[c]) << 16);
+    }
+    *reinterpret_cast<uint32_t*>(dst + int64_t(c) * a.lk_pad) = w;
+  }
+}
+
+// ---------------------------------------------------------------- host side
+// 16-byte loads need a 16-byte aligned base and strides (of the dimensions
+// that are actually indexed) that are multiples of 8 elements.
+bool vec_ok(const Tensor4& t) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if (t.shape[d] > 1 && t.stride[d] % 8 != 0) return false;
+  return true;
+}
+
+bool grid_ok(int64_t blocks) { return blocks > 0 && blocks <= int64_t(0x7fffffff); }
+
+}  // namespace
+
+sparge_status_t predict_supported(const Problem& p) {
+  if (p.D != 64 && p.D != 128)
+    return fail(SPARGE_ERR_UNSUPPORTED, "head_dim %lld: the CUDA backend supports 64 and 128",
+                (long long)p.D);
+  if (p.dtype != SPARGE_DTYPE_FLOAT16 && p.dtype != SPARGE_DTYPE_BFLOAT16)
+    return fail(SPARGE_ERR_UNSUPPORTED, "dtype %d: the CUDA backend takes float16 or bfloat16 inputs",
+                int(p.dtype));
+  if (p.BQ != kGpuBlockQ || p.BK != kGpuBlockK)
+    return fail(SPARGE_ERR_UNSUPPORTED, "block sizes %dx%d: the CUDA backend uses %dx%d", p.BQ, p.BK,
+                kGpuBlockQ, kGpuBlockK);
+  if (p.nKB > kMaxKeyBlocks)
+    return fail(SPARGE_ERR_UNSUPPORTED, "len_kv %lld: the CUDA backend supports at most %lld keys",
+                (long long)p.Lkv, (long long)(kMaxKeyBlocks * kGpuBlockK));
+  const int64_t nchunk = ceil_div(p.Lkv, kGpuColChunk);
+  if (!grid_ok(p.B * p.Hq * p.nQB) || !grid_ok(p.B * p.Hkv * p.nKB) || !grid_ok(p.B * p.Hkv * nchunk))
+    return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for the CUDA backend's launch grids");
+  return SPARGE_OK;
+}
+
+sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
+                             const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize) {
+  const Problem& p = plan.prob;
+  const WorkspaceLayout& L = plan.ws;
+  SPARGE_TRY(predict_supported(p));
+  if (L.col_part == 0 || L.pooled_q == 0 || L.pooled_k == 0)
+    return fail(SPARGE_ERR_INTERNAL, "CUDA preparation: workspace layout lacks the CUDA regions");
+  char* base = static_cast<char*>(ws);
+  const bool quant = quantize && L.q_i8 != 0 && L.k_i8 != 0;
+  const bool do_v = quant && v != nullptr && L.v_f8 != 0;
+  const bool do_k = cfg.smooth_k;
+  const int64_t bhq = p.B * p.Hq, bhk = p.B * p.Hkv;
+  const int64_t nchunk = ceil_div(p.Lkv, kGpuColChunk);
+  const int64_t lk_pad = p.nKB * kGpuBlockK;
+
+  double* ksum = ws_ptr<double>(base, L.col_part);
+  float* vmax = reinterpret_cast<float*>(ksum + bhk * nchunk * p.D);
+  float* k_mean = ws_ptr<float>(base, L.k_mean);
+  float* v_amax = ws_ptr<float>(base, L.v_amax);
+
+  // 1. column statistics
+  if (do_k || do_v) {
+    ColArgs ca;
+    ca.k = k;
+    ca.v = do_v ? *v : k;
+    ca.Hkv = p.Hkv, ca.Lkv = p.Lkv, ca.nchunk = nchunk;
+    ca.do_k = do_k, ca.do_v = do_v;
+    ca.ksum = ksum, ca.vmax = vmax;
+    const bool vec = vec_ok(k) && (!do_v || vec_ok(*v));
+    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
+      constexpr int D = decltype(dc)::value;
+      using T = typename decltype(tt)::type;
+      if (vec)
+        col_partial_kernel<D, T, true><<<unsigned(bhk * nchunk), kThreads, 0, stream>>>(ca);
+      else
+        col_partial_kernel<D, T, false><<<unsigned(bhk * nchunk), kThreads, 0, stream>>>(ca);
+    });
+    SPARGE_LAUNCH_CHECK("sparge column statistics kernel");
+  }
+  col_finalize_kernel<<<unsigned(bhk), unsigned(p.D), 0, stream>>>(ksum, vmax, nchunk, p.Lkv, int(p.D), do_k,
+                                                                   do_v, k_mean, do_v ? v_amax : nullptr);
+  SPARGE_LAUNCH_CHECK("sparge column statistics finalize kernel");
+
+  // 2. Q pass
+  {
+    QArgs qa;
+    qa.q = q;
+    qa.Hq = p.Hq, qa.Hkv = p.Hkv, qa.group = p.group(), qa.Lq = p.Lq, qa.nQB = p.nQB;
+    qa.scale = p.scale;
+    qa.smooth = do_k, qa.quant = quant;
+    qa.k_mean = k_mean;
+    qa.pooled_q = ws_ptr<float>(base, L.pooled_q);
+    qa.sim_q = ws_ptr<float>(base, L.sim_q);
+    qa.q_i8 = quant ? ws_ptr<int8_t>(base, L.q_i8) : nullptr;
+    qa.q_scale = quant ? ws_ptr<float>(base, L.q_scale) : nullptr;
+    qa.q_mu = quant ? ws_ptr<float>(base, L.q_mu) : nullptr;
+    const bool vec = vec_ok(q);
+    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
+      constexpr int D = decltype(dc)::value;
+      using T = typename decltype(tt)::type;
+      if (vec)
+        q_pass_kernel<D, T, true><<<unsigned(bhq * p.nQB), kThreads, 0, stream>>>(qa);
+      else
+        q_pass_kernel<D, T, false><<<unsigned(bhq * p.nQB), kThreads, 0, stream>>>(qa);
+    });
+    SPARGE_LAUNCH_CHECK("sparge Q pass kernel");
+  }
+
+  // 3. K pass
+  {
+    KArgs ka;
+    ka.k = k;
+    ka.Hkv = p.Hkv, ka.Lkv = p.Lkv, ka.nKB = p.nKB;
+    ka.smooth = do_k, ka.quant = quant;
+    ka.k_mean = k_mean;
+    ka.pooled_k = ws_ptr<float>(base, L.pooled_k);
+    ka.sim_k = ws_ptr<float>(base, L.sim_k);
+    ka.k_i8 = quant ? ws_ptr<int8_t>(base, L.k_i8) : nullptr;
+    ka.k_scale = quant ? ws_ptr<float>(base, L.k_scale) : nullptr;
+    const bool vec = vec_ok(k);
+    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
+      constexpr int D = decltype(dc)::value;
+      using T = typename decltype(tt)::type;
+      if (vec)
+        k_pass_kernel<D, T, true><<<unsigned(bhk * p.nKB), kThreads, 0, stream>>>(ka);
+      else
+        k_pass_kernel<D, T, false><<<unsigned(bhk * p.nKB), kThreads, 0, stream>>>(ka);
+    });
+    SPARGE_LAUNCH_CHECK("sparge K pass kernel");
+  }
+
+  // 4. V pass
+  if (do_v) {
+    VArgs va;
+    va.v = *v;
+    va.Hkv = p.Hkv, va.Lkv = p.Lkv, va.lk_pad = lk_pad, va.ntile = ceil_div(lk_pad, 128);
+    va.v_amax = v_amax;
+    va.v_f8 = ws_ptr<uint8_t>(base, L.v_f8);
+    const bool vec = vec_ok(*v);
+    if (!grid_ok(bhk * va.ntile)) return fail(SPARGE_ERR_UNSUPPORTED, "V pass grid too large");
+    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
+      constexpr int D = decltype(dc)::value;
+      using T = typename decltype(tt)::type;
+      if (vec)
+        v_pass_kernel<D, T, true><<<unsigned(bhk * va.ntile), D * 4, 0, stream>>>(va);
+      else
+        v_pass_kernel<D, T, false><<<unsigned(bhk * va.ntile), D * 4, 0, stream>>>(va);
+    });
+    SPARGE_LAUNCH_CHECK("sparge V pass kernel");
+  }
+  return SPARGE_OK;
+}
+
+sparge_status_t launch_prepare(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
+                               const PredictConfig& cfg, void* ws, cudaStream_t stream) {
+  return prepare_impl(plan, q, k, v, cfg, ws, stream, /*quantize=*/true);
+}
+
+}  // namespace cuda
+}  // namespace sparge
