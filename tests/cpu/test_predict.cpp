@@ -1,0 +1,367 @@
+// Mask prediction properties: top-k counts, CDF minimality (brute force),
+// forced non-compressible blocks, attention sink, causality, per-head values,
+// block sizes, kept counts and visible-block counts.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "test_util.hpp"
+
+using namespace sparge_test;
+
+namespace {
+
+// Rows of each block = block centre + noise: pooled scores are well separated.
+void fill_blocks(HostTensor& t, int64_t block, std::mt19937_64& rng, float centre, float noise) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const auto& s = t.t.shape;
+  std::vector<float> c(static_cast<size_t>(s[3]));
+  for (int64_t b = 0; b < s[0]; ++b)
+    for (int64_t h = 0; h < s[1]; ++h)
+      for (int64_t r0 = 0; r0 < s[2]; r0 += block) {
+        for (auto& x : c) x = nd(rng) * centre;
+        for (int64_t r = r0; r < std::min(s[2], r0 + block); ++r)
+          for (int64_t d = 0; d < s[3]; ++d) t.set(b, h, r, d, c[size_t(d)] + noise * nd(rng));
+      }
+}
+
+struct Pred {
+  sparge_problem_t prob;
+  int64_t BQ, BK, nQB, nKB;
+  HostTensor q, k, mask, kept;
+};
+
+Pred make_pred(int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lkv, int64_t D, int BQ, int BK, bool causal,
+               std::mt19937_64& rng) {
+  Pred p;
+  p.prob = cpu_problem(B, Hq, Hkv, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_EXACT, causal);
+  p.prob.block_q = BQ;
+  p.prob.block_k = BK;
+  p.BQ = BQ;
+  p.BK = BK;
+  p.nQB = ceil_div(Lq, BQ);
+  p.nKB = ceil_div(Lkv, BK);
+  p.q = make_bhld(SPARGE_DTYPE_FLOAT32, B, Hq, Lq, D, Layout::HND);
+  p.k = make_bhld(SPARGE_DTYPE_FLOAT32, B, Hkv, Lkv, D, Layout::NHD);
+  fill_blocks(p.q, BQ, rng, 1.0f, 0.3f);
+  fill_blocks(p.k, BK, rng, 1.0f, 0.3f);
+  p.mask = make_dense(SPARGE_DTYPE_UINT8, {B, Hq, p.nQB, p.nKB});
+  p.kept = make_dense(SPARGE_DTYPE_INT32, {B, Hq});
+  return p;
+}
+
+int64_t visible(const Pred& p, int64_t qb) {
+  if (!p.prob.causal) return p.nKB;
+  const int64_t last_row = std::min(p.prob.len_q - 1, qb * p.BQ + p.BQ - 1);
+  const int64_t last_key = last_row + (p.prob.len_kv - p.prob.len_q);
+  if (last_key < 0) return 0;
+  return std::min(last_key, p.prob.len_kv - 1) / p.BK + 1;
+}
+
+// Test-side block probabilities (float64): softmax over visible blocks of the
+// pooled scores (K smoothed by its mean).
+std::vector<double> block_probs(const Pred& p, int64_t b, int64_t h, int64_t qb, bool smooth) {
+  const int64_t D = p.prob.head_dim, hk = h / (p.prob.heads_q / p.prob.heads_kv);
+  const double scale = 1.0 / std::sqrt(double(D));
+  std::vector<double> mu(size_t(D), 0.0), pq(size_t(D), 0.0);
+  if (smooth)
+    for (int64_t j = 0; j < p.prob.len_kv; ++j)
+      for (int64_t d = 0; d < D; ++d) mu[size_t(d)] += p.k.get(b, hk, j, d) / double(p.prob.len_kv);
+  const int64_t r1 = std::min(p.prob.len_q, qb * p.BQ + p.BQ);
+  for (int64_t r = qb * p.BQ; r < r1; ++r)
+    for (int64_t d = 0; d < D; ++d) pq[size_t(d)] += p.q.get(b, h, r, d) / double(r1 - qb * p.BQ);
+  const int64_t vis = visible(p, qb);
+  std::vector<double> s(static_cast<size_t>(vis));
+  for (int64_t kb = 0; kb < vis; ++kb) {
+    const int64_t j1 = std::min(p.prob.len_kv, kb * p.BK + p.BK), n = j1 - kb * p.BK;
+    double dot = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      double pk = 0;
+      for (int64_t j = kb * p.BK; j < j1; ++j) pk += p.k.get(b, hk, j, d) - mu[size_t(d)];
+      dot += pq[size_t(d)] * pk / double(n);
+    }
+    s[size_t(kb)] = scale * dot;
+  }
+  const double mx = vis ? *std::max_element(s.begin(), s.end()) : 0.0;
+  double tot = 0;
+  for (auto& x : s) tot += (x = std::exp(x - mx));
+  for (auto& x : s) x /= tot;
+  return s;
+}
+
+std::vector<int64_t> kept_blocks(const Pred& p, int64_t b, int64_t h, int64_t qb) {
+  std::vector<int64_t> r;
+  for (int64_t kb = 0; kb < p.nKB; ++kb)
+    if (p.mask.get(b, h, qb, kb) != 0.0f) r.push_back(kb);
+  return r;
+}
+
+int64_t topk_n(float topk, int64_t vis) {
+  if (vis == 0) return 0;
+  return std::min(vis, std::max<int64_t>(1, int64_t(double(topk) * double(vis))));
+}
+
+void check_masks_binary_and_kept(const Pred& p) {
+  for (int64_t b = 0; b < p.prob.batch; ++b)
+    for (int64_t h = 0; h < p.prob.heads_q; ++h) {
+      int64_t n = 0;
+      for (int64_t qb = 0; qb < p.nQB; ++qb)
+        for (int64_t kb = 0; kb < p.nKB; ++kb) {
+          const float m = p.mask.get(b, h, qb, kb);
+          REQUIRE((m == 0.0f || m == 1.0f));
+          n += m != 0.0f;
+          if (kb >= visible(p, qb)) REQUIRE(m == 0.0f);  // causally invisible: never kept
+        }
+      CHECK(int64_t(p.kept.get(b, h)) == n);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("top-k keeps exactly max(1, floor(topk * visible)) blocks, the highest ones", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (bool causal : {false, true})
+    for (float topk : {0.05f, 0.3f, 0.5f, 1.0f}) {
+      INFO("causal " << causal << " topk " << topk);
+      Pred p = make_pred(2, 4, 2, 600, 640, 32, 64, 64, causal, rng);
+      Plan plan(p.prob);
+      sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+      params.topk = topk;
+      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+      check_masks_binary_and_kept(p);
+      int64_t checked_sets = 0;
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 4; ++h)
+          for (int64_t qb = 0; qb < p.nQB; ++qb) {
+            const int64_t vis = visible(p, qb), n = topk_n(topk, vis);
+            const auto kept = kept_blocks(p, b, h, qb);
+            REQUIRE(int64_t(kept.size()) == n);
+            // the kept set is the n most probable (skip rows with a near tie at the cut)
+            const auto P = block_probs(p, b, h, qb, true);
+            std::vector<double> sorted(P);
+            std::sort(sorted.rbegin(), sorted.rend());
+            if (n < vis && sorted[size_t(n - 1)] - sorted[size_t(n)] < 1e-5 * sorted[0]) continue;
+            for (int64_t kb : kept) CHECK(P[size_t(kb)] >= sorted[size_t(n - 1)]);
+            ++checked_sets;
+          }
+      CHECK(checked_sets > 0);
+    }
+}
+
+TEST_CASE("CDF mode keeps the smallest set reaching the threshold (brute force)", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (bool causal : {false, true})
+    for (float thr : {0.3f, 0.7f, 0.95f, 1.0f}) {
+      INFO("causal " << causal << " cdf " << thr);
+      Pred p = make_pred(1, 3, 3, 320, 320, 16, 32, 32, causal, rng);  // nKB = 10
+      Plan plan(p.prob);
+      sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+      params.mode = SPARGE_SELECT_CDF;
+      params.cdf_threshold = thr;
+      params.topk = 0.0f;  // not used in CDF mode
+      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+      check_masks_binary_and_kept(p);
+      for (int64_t h = 0; h < 3; ++h)
+        for (int64_t qb = 0; qb < p.nQB; ++qb) {
+          const auto P = block_probs(p, 0, h, qb, true);
+          const int64_t vis = int64_t(P.size());
+          // brute force: the smallest subset size whose probability reaches thr,
+          // and whether a near-threshold subset makes the answer ambiguous
+          int64_t best = vis;
+          bool ambiguous = false;
+          for (uint32_t s = 1; s < (1u << vis); ++s) {
+            double sum = 0;
+            for (int64_t i = 0; i < vis; ++i)
+              if (s >> i & 1) sum += P[size_t(i)];
+            const int64_t n = __builtin_popcount(s);
+            if (std::fabs(sum - thr) < 1e-5) ambiguous = true;
+            if (sum >= thr) best = std::min(best, n);
+          }
+          const auto kept = kept_blocks(p, 0, h, qb);
+          if (ambiguous) continue;
+          INFO("h " << h << " qb " << qb);
+          CHECK(int64_t(kept.size()) == std::max<int64_t>(1, best));
+          double sum = 0;
+          for (int64_t kb : kept) sum += P[size_t(kb)];
+          CHECK(sum >= thr - 1e-6);
+        }
+    }
+}
+
+TEST_CASE("non-compressible Q and K blocks are kept whole; sink keeps key block 0", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Pred p = make_pred(1, 2, 1, 512, 512, 32, 64, 64, false, rng);
+  // q block 3 and k block 5: pure noise (self-similarity ~ 1/n); the rest ~ 1
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t r = 3 * 64; r < 4 * 64; ++r)
+      for (int64_t d = 0; d < 32; ++d) p.q.set(0, h, r, d, nd(rng));
+  for (int64_t r = 5 * 64; r < 6 * 64; ++r)
+    for (int64_t d = 0; d < 32; ++d) p.k.set(0, 0, r, d, nd(rng));
+  Plan plan(p.prob);
+  sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+  params.topk = 0.1f;  // one block per row
+  params.sim_threshold = 0.5f;
+  REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+  check_masks_binary_and_kept(p);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t qb = 0; qb < 8; ++qb) {
+      const auto kept = kept_blocks(p, 0, h, qb);
+      INFO("h " << h << " qb " << qb);
+      if (qb == 3) {
+        CHECK(kept.size() == 8);  // whole row
+      } else {
+        CHECK(std::count(kept.begin(), kept.end(), 5) == 1);  // forced K block
+        CHECK(kept.size() <= 2);                              // 1 selected + forced
+      }
+    }
+  // Disabled forcing: exactly one per row.
+  params.sim_threshold = -0.1f;
+  REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+  bool some_row_without_block0 = false;
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t qb = 0; qb < 8; ++qb) {
+      const auto kept = kept_blocks(p, 0, h, qb);
+      CHECK(kept.size() == 1);
+      if (kept[0] != 0) some_row_without_block0 = true;
+    }
+  // Sink: block 0 in every row, added on top of the selection.
+  params.attention_sink = 1;
+  REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t qb = 0; qb < 8; ++qb) {
+      const auto kept = kept_blocks(p, 0, h, qb);
+      CHECK(kept[0] == 0);
+      CHECK(kept.size() <= 2);
+    }
+  CHECK(some_row_without_block0);
+}
+
+TEST_CASE("causally invisible blocks are never kept, even when forced", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct L {
+    int64_t lq, lkv;
+  };
+  for (L l : {L{300, 300}, L{200, 450}, L{450, 200}}) {
+    INFO("Lq " << l.lq << " Lkv " << l.lkv);
+    Pred p = make_pred(1, 2, 2, l.lq, l.lkv, 16, 32, 48, true, rng);
+    Plan plan(p.prob);
+    int64_t vis_total = 0;
+    REQUIRE(sparge_plan_visible_blocks(plan.p, &vis_total) == SPARGE_OK);
+    int64_t expect = 0;
+    for (int64_t qb = 0; qb < p.nQB; ++qb) expect += visible(p, qb);
+    CHECK(vis_total == expect);
+    // brute force over tokens: a block pair is visible iff some (i, j) pair is
+    int64_t brute = 0;
+    for (int64_t qb = 0; qb < p.nQB; ++qb)
+      for (int64_t kb = 0; kb < p.nKB; ++kb) {
+        bool any = false;
+        for (int64_t i = qb * 32; i < std::min(l.lq, qb * 32 + 32) && !any; ++i)
+          for (int64_t j = kb * 48; j < std::min(l.lkv, kb * 48 + 48) && !any; ++j) any = j <= i + (l.lkv - l.lq);
+        brute += any;
+      }
+    CHECK(vis_total == brute);
+
+    sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+    params.sim_threshold = 2.0f;  // every block non-compressible: all visible kept
+    params.attention_sink = 1;
+    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+    check_masks_binary_and_kept(p);
+    for (int64_t h = 0; h < 2; ++h) {
+      CHECK(int64_t(p.kept.get(0, h)) == vis_total);
+      for (int64_t qb = 0; qb < p.nQB; ++qb) CHECK(int64_t(kept_blocks(p, 0, h, qb).size()) == visible(p, qb));
+    }
+    params.sim_threshold = -0.1f;
+    params.topk = 0.5f;
+    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+    check_masks_binary_and_kept(p);
+    for (int64_t qb = 0; qb < p.nQB; ++qb)
+      if (visible(p, qb) == 0) CHECK(kept_blocks(p, 0, 0, qb).empty());
+  }
+}
+
+TEST_CASE("per-head parameters are honoured", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  Pred p = make_pred(2, 4, 2, 256, 640, 16, 64, 64, false, rng);  // nKB = 10
+  Plan plan(p.prob);
+  const float topk[4] = {0.1f, 0.25f, 0.5f, 1.0f};
+  const float sim[4] = {-0.1f, -0.1f, -0.1f, 2.0f};
+  sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+  params.topk = 0.9f;  // overridden
+  params.topk_per_head = topk;
+  REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == p.nQB * topk_n(topk[h], 10));
+  params.topk_per_head = nullptr;
+  params.topk = 0.1f;
+  params.sim_threshold_per_head = sim;
+  REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == (h == 3 ? p.nQB * 10 : p.nQB * 1));
+  const float cdf[4] = {1.0f, 1e-6f, 1.0f, 1e-6f};
+  params.sim_threshold_per_head = nullptr;
+  params.mode = SPARGE_SELECT_CDF;
+  params.cdf_threshold_per_head = cdf;
+  REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == (h % 2 == 0 ? p.nQB * 10 : p.nQB * 1));
+}
+
+TEST_CASE("other block sizes and the default 128 x 64", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct Bs {
+    int bq, bk;
+  };
+  for (Bs bs : {Bs{128, 64}, Bs{1, 1}, Bs{17, 5}, Bs{64, 128}, Bs{1024, 1024}}) {
+    INFO("BQ " << bs.bq << " BK " << bs.bk);
+    for (bool causal : {false, true}) {
+      Pred p = make_pred(1, 2, 1, 150, 130, 8, bs.bq, bs.bk, causal, rng);
+      Plan plan(p.prob);
+      sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+      params.topk = 0.4f;
+      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+      check_masks_binary_and_kept(p);
+      for (int64_t qb = 0; qb < p.nQB; ++qb)
+        CHECK(int64_t(kept_blocks(p, 0, 1, qb).size()) == topk_n(0.4f, visible(p, qb)));
+      sparge_problem_t got = SPARGE_PROBLEM_INIT;
+      REQUIRE(sparge_plan_get_problem(plan.p, &got) == SPARGE_OK);
+      CHECK(got.block_q == bs.bq);
+      CHECK(got.block_k == bs.bk);
+    }
+  }
+}
+
+TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  Pred p = make_pred(1, 1, 1, 300, 700, 64, 128, 64, false, rng);
+  p.prob.block_q = 0;
+  p.prob.block_k = 0;
+  Plan plan(p.prob);
+  REQUIRE(run_predict(plan, p.q, p.k, nullptr, p.mask, nullptr) == SPARGE_OK);
+  int64_t n = 0;
+  for (int64_t qb = 0; qb < 3; ++qb) n += int64_t(kept_blocks(p, 0, 0, qb).size());
+  CHECK(n == 3 * topk_n(0.5f, 11));
+  sparge_problem_t got = SPARGE_PROBLEM_INIT;
+  REQUIRE(sparge_plan_get_problem(plan.p, &got) == SPARGE_OK);
+  CHECK(got.block_q == 128);
+  CHECK(got.block_k == 64);
+  CHECK(got.scale == Approx(0.125f));
+  CHECK(got.len_kv == 700);
+  CHECK(got.struct_size == sizeof(sparge_problem_t));
+}
