@@ -1,0 +1,261 @@
+// CUDA attention vs a float64 reference (all rows, or a sample of rows for
+// long sequences) and vs the CPU backend: the INT8_FP8 quantization twin for
+// int8_fp8, EXACT (float64) for fp16 mode. Random block masks at densities
+// 1, 0.5, 0.1 and 0; causal with Lq = Lkv and Lq != Lkv; GQA; NHD/HND.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "gpu_util.hpp"
+
+using namespace sgt;
+
+namespace {
+
+struct AttnCase {
+  const char* name;
+  Shape s;
+  Layout layout;
+  sparge_dtype_t dtype;
+  bool outliers;
+  bool twin;         // compare with the CPU backend (full tensors)
+  int64_t ref_rows;  // 0: float64 reference on every row; else a sample of this many rows
+};
+
+bool fp8_capable() {
+  cudaDeviceProp p;
+  SGT_CUDA(cudaGetDeviceProperties(&p, 0));
+  return p.major * 10 + p.minor >= 89;
+}
+
+std::string fmt_label(const AttnCase& c, sparge_precision_t prec, double density) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s %s d=%g", c.name, precision_name(prec), density);
+  return buf;
+}
+
+// Accuracy bars against the float64 reference.
+struct Bars {
+  double cos, rel_l1, lse_atol, lse_mag;
+};
+Bars ref_bars(const AttnCase& c, sparge_precision_t prec, double density) {
+  if (prec == SPARGE_PRECISION_FP16) return {0.9999, 0.005, 1e-3, 1e-5};
+  // int8_fp8. The design target (cos >= 0.9995, rel L1 <= 0.03) is for rows that
+  // average over many keys; with few keys per row the e4m3 rounding of V (up to
+  // 6% per element) is not averaged away, so short or very sparse rows get a
+  // sanity bar instead. Channel outliers stretch the int8 scales of Q and K.
+  if (c.outliers) return {0.995, 0.10, 0.05, 1.0 / 32};
+  if (c.s.Lkv >= 1000 && density >= 0.5) return {0.9995, 0.03, 0.02, 1.0 / 64};
+  return {0.998, 0.06, 0.02, 1.0 / 64};
+}
+
+void run_case(const AttnCase& c, const std::vector<double>& densities) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t seed = case_seed(c.name);
+  std::printf("case %-14s %s %s %s%s seed 0x%016llx\n", c.name, c.s.str().c_str(), layout_name(c.layout),
+              dtype_name(c.dtype), c.outliers ? " outliers" : "", static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  const Inputs in = make_inputs(c.s, c.layout, c.dtype, c.outliers, seed);
+  const DeviceInputs din(in);
+  Stream stream;
+  const std::vector<RowId> rows = c.ref_rows ? sample_rows(c.s, c.ref_rows, seed) : all_rows(c.s);
+  const bool fp8 = fp8_capable();
+
+  for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16}) {
+    if (prec == SPARGE_PRECISION_INT8_FP8 && !fp8) {
+      WARN("int8_fp8 skipped: device has no fp8 tensor cores");
+      continue;
+    }
+    for (double d : densities) {
+      const std::string label = fmt_label(c, prec, d);
+      INFO(label << " [" << c.s.str() << " " << layout_name(c.layout) << " " << dtype_name(c.dtype) << "]");
+      try {
+        const std::vector<uint8_t> mask = random_mask(c.s, d, mix64(seed ^ static_cast<uint64_t>(d * 1000 + 7)));
+        const AttnResult g = gpu_attention(in, din, prec, &mask, nullptr, true, stream.get());
+        if (g.status != SPARGE_OK) {
+          FAIL_CHECK(g.error);
+          continue;
+        }
+        CHECK(g.unwritten == 0);
+        CHECK(g.clobbered == 0);
+        // Same inputs, same bits: a difference here is a race.
+        const AttnResult g2 = gpu_attention(in, din, prec, &mask, nullptr, true, stream.get());
+        REQUIRE(g2.status == SPARGE_OK);
+        CHECK(g2.bits == g.bits);
+        CHECK(std::memcmp(g2.lse.data(), g.lse.data(), g.lse.size() * 4) == 0);
+
+        if (d == 0.0) {  // nothing kept: zeros and -inf everywhere
+          int64_t bad = 0;
+          for (float x : g.out) bad += x != 0.0f;
+          for (float x : g.lse) bad += !(std::isinf(x) && x < 0);
+          CHECK(bad == 0);
+          record("attention", label, "nonzero/non-inf", static_cast<double>(bad), 0, false);
+          continue;
+        }
+
+        const RefRows ref = ref_attention(in, mask.data(), rows);
+        const ErrStats e = compare_rows(g.out, c.s, rows, ref.out);
+        const Bars bar = ref_bars(c, prec, d);
+        record("attention", label, "cos vs f64", e.cosine, bar.cos, true);
+        record("attention", label, "relL1 vs f64", e.rel_l1, bar.rel_l1, false);
+        CHECK(e.nonfinite == 0);
+        CHECK(e.cosine >= bar.cos);
+        CHECK(e.rel_l1 <= bar.rel_l1);
+        const LseStats le = compare_lse_rows(g.lse, c.s, ref, bar.lse_atol, bar.lse_mag);
+        record("attention", label, "LSE maxabs vs f64", le.max_abs, 0, false);
+        CHECK(le.nonfinite == 0);
+        CHECK(le.inf_mismatch == 0);
+        CHECK(le.max_excess <= 0.0);
+
+        if (!c.twin) continue;
+        const sparge_precision_t cprec =
+            prec == SPARGE_PRECISION_INT8_FP8 ? SPARGE_PRECISION_INT8_FP8 : SPARGE_PRECISION_EXACT;
+        const AttnResult t = cpu_attention(in, cprec, &mask, nullptr, true);
+        if (t.status != SPARGE_OK) {
+          FAIL_CHECK("CPU backend: " << t.error);
+          continue;
+        }
+        CHECK(t.unwritten == 0);
+        const ErrStats et = compare_full(g.out, t.out);
+        if (prec == SPARGE_PRECISION_INT8_FP8) {
+          // The twin rounds the same way; what remains is exp2 ulps moving a p
+          // across an e4m3 boundary, summation order, and the final 16-bit rounding.
+          record("attention", label, "relL1 vs CPU twin", et.rel_l1, 2e-3, false);
+          record("attention", label, "maxrel vs CPU twin", et.rel_max, 0.1, false);
+          CHECK(et.rel_l1 <= 2e-3);
+          CHECK(et.rel_max <= 0.1);
+          const LseStats lt = compare_lse_full(g.lse, t.lse, 1e-3, 1e-5);
+          record("attention", label, "LSE maxabs vs twin", lt.max_abs, 0, false);
+          CHECK(lt.inf_mismatch == 0);
+          CHECK(lt.max_excess <= 0.0);
+        } else {
+          record("attention", label, "relL1 vs CPU exact", et.rel_l1, 0.005, false);
+          CHECK(et.rel_l1 <= 0.005);
+          const LseStats lt = compare_lse_full(g.lse, t.lse, 1e-3, 1e-5);
+          CHECK(lt.inf_mismatch == 0);
+          CHECK(lt.max_excess <= 0.0);
+        }
+      } catch (const std::exception& ex) {
+        FAIL_CHECK(label << ": " << ex.what());
+      }
+    }
+  }
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("case %-14s done in %.1f s\n", c.name, sec);
+  std::fflush(stdout);
+}
+
+Shape shp(int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lkv, int64_t D, bool causal) {
+  Shape s;
+  s.B = B, s.Hq = Hq, s.Hkv = Hkv, s.Lq = Lq, s.Lkv = Lkv, s.D = D, s.causal = causal;
+  return s;
+}
+
+const std::vector<double> kDensities = {1.0, 0.5, 0.1, 0.0};
+
+}  // namespace
+
+TEST_CASE("attention, small shapes: vs float64 and the CPU backend", "[gpu][attention][sanitize]") {
+  const AttnCase cases[] = {
+      {"L1", shp(1, 2, 2, 1, 1, 64, false), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+      {"L1-causal", shp(1, 2, 2, 1, 1, 128, true), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, true, 0},
+      {"L100-gqa4", shp(2, 4, 1, 100, 100, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+      {"L128-outl", shp(1, 2, 2, 128, 128, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, true, true, 0},
+      {"Lq200-Lkv333", shp(1, 2, 1, 200, 333, 64, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+      {"Lq333-Lkv130", shp(1, 2, 2, 333, 130, 128, true), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, true, 0},
+  };
+  for (const AttnCase& c : cases) run_case(c, kDensities);
+}
+
+TEST_CASE("attention, medium shapes: vs float64 and the CPU backend", "[gpu][attention]") {
+  const AttnCase cases[] = {
+      {"L1000-causal", shp(1, 4, 4, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+      {"L1000-outl", shp(1, 4, 4, 1000, 1000, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, true, true, 0},
+      {"Lq300-Lkv1000", shp(1, 2, 1, 300, 1000, 64, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+      {"Lq1000-Lkv300", shp(1, 2, 2, 1000, 300, 128, true), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, true, 0},
+      {"L256-gqa32", shp(1, 32, 1, 256, 256, 64, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+      {"gqa32-pad", shp(1, 64, 2, 130, 333, 128, false), Layout::HND_PAD, SPARGE_DTYPE_FLOAT16, true, true, 0},
+      {"L4097-causal", shp(1, 1, 1, 4097, 4097, 64, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+  };
+  for (const AttnCase& c : cases) run_case(c, kDensities);
+}
+
+TEST_CASE("attention, long sequences: sampled rows vs float64", "[gpu][attention][large]") {
+  const AttnCase cases[] = {
+      {"L4097-outl", shp(1, 2, 1, 4097, 4097, 128, false), Layout::HND, SPARGE_DTYPE_FLOAT16, true, false, 192},
+      {"L32768-causal", shp(1, 4, 1, 32768, 32768, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, false, 96},
+  };
+  for (const AttnCase& c : cases) run_case(c, kDensities);
+}
+
+TEST_CASE("attention: no LSE requested, and the run is capturable in a CUDA graph", "[gpu][graph][sanitize]") {
+  const Shape s = shp(1, 4, 2, 300, 300, 128, true);
+  const Inputs in = make_inputs(s, Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, case_seed("graph"));
+  const DeviceInputs din(in);
+  Stream stream;
+  const bool fp8 = fp8_capable();
+  for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16}) {
+    if (prec == SPARGE_PRECISION_INT8_FP8 && !fp8) continue;
+    INFO(precision_name(prec));
+    const std::vector<uint8_t> mask = random_mask(s, 0.5, case_seed("graph-mask"));
+    const AttnResult with_lse = gpu_attention(in, din, prec, &mask, nullptr, true, stream.get());
+    REQUIRE(with_lse.status == SPARGE_OK);
+    const AttnResult no_lse = gpu_attention(in, din, prec, &mask, nullptr, false, stream.get());
+    REQUIRE(no_lse.status == SPARGE_OK);
+    CHECK(no_lse.unwritten == 0);
+    CHECK(no_lse.clobbered == 0);
+    CHECK(no_lse.bits == with_lse.bits);
+
+    // Capture predict-inside attention (mask NULL) in global capture mode: any
+    // allocation or host synchronization inside the call makes capture fail.
+    sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+    pr.batch = s.B, pr.heads_q = s.Hq, pr.heads_kv = s.Hkv, pr.len_q = s.Lq, pr.len_kv = s.Lkv, pr.head_dim = s.D;
+    pr.dtype = in.q.dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = prec, pr.causal = 1;
+    sparge_plan_t plan = nullptr;
+    REQUIRE(sparge_create_plan(&pr, &plan) == SPARGE_OK);
+    size_t wsb = 0;
+    REQUIRE(sparge_plan_workspace_size(plan, &wsb) == SPARGE_OK);
+    DeviceBuffer ws(wsb), out_eager(in.q.storage * 2), out_graph(in.q.storage * 2);
+    out_eager.fill(0xFF);
+    out_graph.fill(0xFF);
+    const sparge_tensor_t qd = desc4(in.q, din.q.get(), SPARGE_DEVICE_CUDA);
+    const sparge_tensor_t kd = desc4(in.k, din.k.get(), SPARGE_DEVICE_CUDA);
+    const sparge_tensor_t vd = desc4(in.v, din.v.get(), SPARGE_DEVICE_CUDA);
+    const sparge_tensor_t oe = desc4(in.q, out_eager.get(), SPARGE_DEVICE_CUDA);
+    const sparge_tensor_t og = desc4(in.q, out_graph.get(), SPARGE_DEVICE_CUDA);
+    sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+    prm.topk = 0.5f;
+    CHECK(sparge_attention_run(plan, &qd, &kd, &vd, nullptr, &prm, &oe, nullptr, ws.get(), wsb, stream.get()) ==
+          SPARGE_OK);
+    stream.sync();
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    SGT_CUDA(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+    const sparge_status_t st =
+        sparge_attention_run(plan, &qd, &kd, &vd, nullptr, &prm, &og, nullptr, ws.get(), wsb, stream.get());
+    const cudaError_t ce = cudaStreamEndCapture(stream.get(), &graph);
+    INFO("capture: " << sparge_status_string(st) << " " << sparge_last_error() << " / " << cudaGetErrorString(ce));
+    CHECK(st == SPARGE_OK);
+    CHECK(ce == cudaSuccess);
+    if (st == SPARGE_OK && ce == cudaSuccess) {
+      SGT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      for (int r = 0; r < 3; ++r) SGT_CUDA(cudaGraphLaunch(exec, stream.get()));
+      stream.sync();
+      std::vector<uint16_t> a(in.q.storage), b(in.q.storage);
+      out_eager.download(a.data(), a.size() * 2);
+      out_graph.download(b.data(), b.size() * 2);
+      CHECK(a == b);
+      int64_t poisoned = 0;
+      for (uint16_t x : a) poisoned += x == 0xFFFF;
+      CHECK(poisoned == 0);
+      SGT_CUDA(cudaGraphExecDestroy(exec));
+    }
+    if (graph) SGT_CUDA(cudaGraphDestroy(graph));
+    cudaGetLastError();  // a failed capture leaves no sticky error; clear the non-sticky one
+    sparge_destroy_plan(plan);
+  }
+}

@@ -1,0 +1,187 @@
+// Bad inputs specific to CUDA plans: host memory passed where device memory is
+// required, descriptors that claim the wrong device, workspaces that are too
+// small, and problems the CUDA backend does not support. Each must fail with a
+// status and a message naming the argument, and leave the library usable.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <string>
+
+#include "gpu_util.hpp"
+
+using namespace sgt;
+
+namespace {
+
+struct Fixture {
+  Shape s;
+  Inputs in;
+  DeviceInputs din;
+  sparge_plan_t plan = nullptr;
+  size_t wsb = 0;
+  DeviceBuffer ws, out, lse, mask;
+  std::vector<uint16_t> host_buf;  // host memory big enough for any tensor here
+  sparge_tensor_t q, k, v, o, l, m;
+
+  static Shape shape() {
+    Shape s;
+    s.B = 1, s.Hq = 2, s.Hkv = 1, s.Lq = 200, s.Lkv = 200, s.D = 64, s.causal = true;
+    return s;
+  }
+  explicit Fixture(sparge_precision_t prec)
+      : s(shape()), in(make_inputs(s, Layout::HND, SPARGE_DTYPE_BFLOAT16, false, case_seed("errors"))), din(in) {
+    sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+    pr.batch = s.B, pr.heads_q = s.Hq, pr.heads_kv = s.Hkv, pr.len_q = s.Lq, pr.len_kv = s.Lkv, pr.head_dim = s.D;
+    pr.dtype = SPARGE_DTYPE_BFLOAT16, pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = prec, pr.causal = 1;
+    const sparge_status_t st = sparge_create_plan(&pr, &plan);
+    if (st != SPARGE_OK) throw std::runtime_error(std::string("create_plan: ") + sparge_last_error());
+    if (sparge_plan_workspace_size(plan, &wsb) != SPARGE_OK) throw std::runtime_error("workspace_size");
+    ws.alloc(wsb + 256);
+    out.alloc(in.q.storage * 2);
+    lse.alloc(static_cast<size_t>(s.B * s.Hq * s.Lq) * 4);
+    mask.alloc(static_cast<size_t>(s.B * s.Hq * s.nQB() * s.nKB()));
+    mask.fill(1);
+    host_buf.assign(in.q.storage + 4096, 0);
+    q = desc4(in.q, din.q.get(), SPARGE_DEVICE_CUDA);
+    k = desc4(in.k, din.k.get(), SPARGE_DEVICE_CUDA);
+    v = desc4(in.v, din.v.get(), SPARGE_DEVICE_CUDA);
+    o = desc4(in.q, out.get(), SPARGE_DEVICE_CUDA);
+    const int64_t lsh[3] = {s.B, s.Hq, s.Lq}, lst[3] = {s.Hq * s.Lq, s.Lq, 1};
+    l = make_desc(lse.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_FLOAT32, 3, lsh, lst);
+    const int64_t msh[4] = {s.B, s.Hq, s.nQB(), s.nKB()},
+                  mst[4] = {s.Hq * s.nQB() * s.nKB(), s.nQB() * s.nKB(), s.nKB(), 1};
+    m = make_desc(mask.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_UINT8, 4, msh, mst);
+  }
+  ~Fixture() { sparge_destroy_plan(plan); }
+
+  sparge_status_t run(const sparge_tensor_t& q_, const sparge_tensor_t& k_, const sparge_tensor_t& v_,
+                      const sparge_tensor_t* m_, const sparge_tensor_t& o_, const sparge_tensor_t* l_, void* w,
+                      size_t wb) {
+    const sparge_status_t st = sparge_attention_run(plan, &q_, &k_, &v_, m_, nullptr, &o_, l_, w, wb, nullptr);
+    SGT_CUDA(cudaDeviceSynchronize());
+    return st;
+  }
+  sparge_status_t run_ok() { return run(q, k, v, &m, o, &l, ws.get(), wsb); }
+};
+
+}  // namespace
+
+// Tagged [hostptr]: if a check were missing, a kernel would fault on host memory
+// and leave a sticky CUDA error behind, so tools/gpu_check.sh runs these in a
+// process of their own.
+TEST_CASE("CUDA plan: host pointers are rejected, naming the tensor", "[gpu][errors][hostptr][sanitize]") {
+  Fixture f(SPARGE_PRECISION_FP16);
+  REQUIRE(f.run_ok() == SPARGE_OK);
+  void* host = f.host_buf.data();
+  struct Probe {
+    const char* name;
+    int which;
+  };
+  const Probe probes[] = {{"q", 0}, {"k", 1}, {"v", 2}, {"out", 3}, {"mask", 4}, {"lse", 5}};
+  for (const Probe& p : probes) {
+    INFO("tensor " << p.name);
+    sparge_tensor_t t[6] = {f.q, f.k, f.v, f.o, f.m, f.l};
+    t[p.which].data = host;  // descriptor still says CUDA
+    const sparge_status_t st = f.run(t[0], t[1], t[2], &t[4], t[3], &t[5], f.ws.get(), f.wsb);
+    const std::string msg = sparge_last_error();
+    INFO("status " << sparge_status_string(st) << ", message: " << msg);
+    CHECK(st == SPARGE_ERR_INVALID_ARGUMENT);
+    CHECK(names_word(msg, p.name));
+  }
+  // A descriptor that says CPU on a CUDA plan.
+  for (const Probe& p : probes) {
+    INFO("tensor " << p.name << " with device_type CPU");
+    sparge_tensor_t t[6] = {f.q, f.k, f.v, f.o, f.m, f.l};
+    t[p.which].device_type = SPARGE_DEVICE_CPU;
+    const sparge_status_t st = f.run(t[0], t[1], t[2], &t[4], t[3], &t[5], f.ws.get(), f.wsb);
+    const std::string msg = sparge_last_error();
+    INFO("status " << sparge_status_string(st) << ", message: " << msg);
+    CHECK(st == SPARGE_ERR_INVALID_ARGUMENT);
+    CHECK(names_word(msg, p.name));
+  }
+  // Host memory for predict_mask's q and mask_out.
+  {
+    sparge_tensor_t qh = f.q, mh = f.m;
+    qh.data = host;
+    sparge_status_t st = sparge_predict_mask(f.plan, &qh, &f.k, nullptr, &f.m, nullptr, f.ws.get(), f.wsb, nullptr);
+    CHECK(st == SPARGE_ERR_INVALID_ARGUMENT);
+    CHECK(names_word(sparge_last_error(), "q"));
+    mh.data = host;
+    st = sparge_predict_mask(f.plan, &f.q, &f.k, nullptr, &mh, nullptr, f.ws.get(), f.wsb, nullptr);
+    INFO("message: " << sparge_last_error());
+    CHECK(st == SPARGE_ERR_INVALID_ARGUMENT);
+    SGT_CUDA(cudaDeviceSynchronize());
+  }
+  // The library is still usable and no CUDA error is pending.
+  CHECK(f.run_ok() == SPARGE_OK);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST_CASE("CUDA plan: workspace checks", "[gpu][errors][sanitize]") {
+  Fixture f(SPARGE_PRECISION_INT8_FP8);
+  REQUIRE(f.wsb > 0);
+  sparge_status_t st = f.run(f.q, f.k, f.v, &f.m, f.o, &f.l, f.ws.get(), f.wsb - 1);
+  INFO("message: " << sparge_last_error());
+  CHECK(st == SPARGE_ERR_WORKSPACE_TOO_SMALL);
+  st = f.run(f.q, f.k, f.v, nullptr, f.o, &f.l, f.ws.get(), f.wsb / 2);  // predict inside
+  CHECK(st == SPARGE_ERR_WORKSPACE_TOO_SMALL);
+  st = sparge_predict_mask(f.plan, &f.q, &f.k, nullptr, &f.m, nullptr, f.ws.get(), 0, nullptr);
+  CHECK(st == SPARGE_ERR_WORKSPACE_TOO_SMALL);
+  st = f.run(f.q, f.k, f.v, &f.m, f.o, &f.l, nullptr, f.wsb);
+  CHECK(st != SPARGE_OK);
+  // A larger workspace than needed is fine.
+  CHECK(f.run(f.q, f.k, f.v, &f.m, f.o, &f.l, f.ws.get(), f.wsb + 256) == SPARGE_OK);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST_CASE("CUDA plan: host memory as workspace is rejected", "[gpu][errors][hostptr][sanitize]") {
+  Fixture f(SPARGE_PRECISION_INT8_FP8);
+  REQUIRE(f.wsb > 0);
+  std::vector<unsigned char> hws(f.wsb + 256);
+  const sparge_status_t st = f.run(f.q, f.k, f.v, &f.m, f.o, &f.l, hws.data(), f.wsb);
+  INFO("host workspace: " << sparge_status_string(st) << " " << sparge_last_error());
+  CHECK(st == SPARGE_ERR_INVALID_ARGUMENT);
+  CHECK(names_word(sparge_last_error(), "workspace"));
+  CHECK(f.run_ok() == SPARGE_OK);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST_CASE("CUDA plan: unsupported problems fail at plan creation", "[gpu][errors][sanitize]") {
+  auto base = [] {
+    sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+    pr.batch = 1, pr.heads_q = 2, pr.heads_kv = 2, pr.len_q = 256, pr.len_kv = 256, pr.head_dim = 64;
+    pr.device_type = SPARGE_DEVICE_CUDA;
+    return pr;
+  };
+  auto expect_fail = [](const sparge_problem_t& pr, const char* what) {
+    INFO(what);
+    sparge_plan_t plan = reinterpret_cast<sparge_plan_t>(static_cast<uintptr_t>(1));
+    const sparge_status_t st = sparge_create_plan(&pr, &plan);
+    INFO(sparge_status_string(st) << ": " << sparge_last_error());
+    CHECK(st != SPARGE_OK);
+    CHECK(plan == nullptr);
+    CHECK(std::string(sparge_last_error()).size() > 0);
+    if (st == SPARGE_OK) sparge_destroy_plan(plan);
+    return st;
+  };
+  sparge_problem_t pr = base();
+  pr.precision = SPARGE_PRECISION_EXACT;
+  const sparge_status_t st_exact = expect_fail(pr, "EXACT precision on a CUDA plan");
+  CHECK((st_exact == SPARGE_ERR_UNSUPPORTED || st_exact == SPARGE_ERR_INVALID_ARGUMENT));
+  pr = base();
+  pr.dtype = SPARGE_DTYPE_FLOAT32;
+  expect_fail(pr, "float32 inputs on a CUDA plan");
+  pr = base();
+  pr.head_dim = 96;
+  const sparge_status_t st_d = expect_fail(pr, "D = 96 on a CUDA plan");
+  CHECK((st_d == SPARGE_ERR_UNSUPPORTED || st_d == SPARGE_ERR_INVALID_ARGUMENT));
+  pr = base();
+  int n = 0;
+  SGT_CUDA(cudaGetDeviceCount(&n));
+  pr.device_id = n;  // one past the last device
+  const sparge_status_t st_dev = expect_fail(pr, "device id out of range");
+  CHECK((st_dev == SPARGE_ERR_NO_DEVICE || st_dev == SPARGE_ERR_INVALID_ARGUMENT));
+  pr = base();
+  CHECK(sparge_create_plan(&pr, nullptr) == SPARGE_ERR_INVALID_ARGUMENT);  // NULL out pointer
+  CHECK(cudaGetLastError() == cudaSuccess);
+}

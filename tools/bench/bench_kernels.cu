@@ -1,0 +1,60 @@
+// Device helpers for sparge_bench: random inputs generated on the GPU (so that
+// setting up a 32K-token workload takes milliseconds) and a check that an
+// output holds no NaN (the output is poisoned with NaN before timing).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "bench_kernels.hpp"
+
+namespace {
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+__global__ void fill_normal_kernel(uint16_t* p, size_t n, uint64_t seed, float stddev, int is_fp16) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix64(seed ^ mix64(i));
+    const float u1 = (static_cast<float>(r >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    const float u2 = static_cast<float>((r >> 16) & 0xffffffu) * (1.0f / 16777216.0f);
+    const float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * stddev;
+    uint16_t bits;
+    if (is_fp16) {
+      const __half h = __float2half_rn(z);
+      bits = *reinterpret_cast<const uint16_t*>(&h);
+    } else {
+      const __nv_bfloat16 h = __float2bfloat16_rn(z);
+      bits = *reinterpret_cast<const uint16_t*>(&h);
+    }
+    p[i] = bits;
+  }
+}
+
+__global__ void count_nan_kernel(const uint16_t* p, size_t n, int is_fp16, unsigned long long* count) {
+  unsigned long long local = 0;
+  const uint16_t lim = is_fp16 ? 0x7c00u : 0x7f80u;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    local += (p[i] & 0x7fffu) > lim;
+  if (local) atomicAdd(count, local);
+}
+
+}  // namespace
+
+cudaError_t bench_fill_normal(uint16_t* p, size_t n, uint64_t seed, float stddev, bool fp16, cudaStream_t s) {
+  fill_normal_kernel<<<1024, 256, 0, s>>>(p, n, seed, stddev, fp16 ? 1 : 0);
+  return cudaGetLastError();
+}
+
+cudaError_t bench_count_nan(const uint16_t* p, size_t n, bool fp16, unsigned long long* d_count, cudaStream_t s) {
+  cudaError_t e = cudaMemsetAsync(d_count, 0, sizeof(unsigned long long), s);
+  if (e != cudaSuccess) return e;
+  count_nan_kernel<<<1024, 256, 0, s>>>(p, n, fp16 ? 1 : 0, d_count);
+  return cudaGetLastError();
+}
