@@ -143,7 +143,7 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 
 // ------------------------------------------------------------ kernel
 template <class T, int D, bool kCausal>
-__global__ void __launch_bounds__(kThreads, 2) attn_fp16_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(const Params p) {
   static_assert(D == 64 || D == 128, "head dim");
   constexpr int kStages = stages<D>();
   constexpr int kChunks = D / 8;   // 16-byte chunks per row
