@@ -53,3 +53,15 @@ def test_torch_compat_bool_mask(rng):
     a = sparge.block_sparse_sage2_attn_cuda(q, k, v, mask_id=m)
     b = sparge.block_sparse_sage2_attn_cuda(q, k, v, mask_id=m.to(torch.uint8))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_torch_per_head_values(rng):
+    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=256, Lkv=384, D=16)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    heads = [0.2, 0.4, 0.6, 0.8]
+    for kw in (dict(topk=heads), dict(topk=torch.tensor(heads)),
+               dict(mode="cdf", cdf_threshold=heads), dict(sim_threshold=torch.tensor(heads))):
+        want = sparge.attention(q, k, v, precision="exact",
+                                **{n: (x.numpy() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()})
+        got = sparge.attention(tq, tk, tv, precision="exact", **kw)
+        np.testing.assert_array_equal(got.numpy(), want)

@@ -116,17 +116,21 @@ def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: 
 
 
 def _split_torch_heads(r: _Resolved) -> Tuple[Any, ...]:
-    """Per-head values -> (tensor-or-None, list-or-None) pairs for the custom op schema."""
-    out: List[Any] = []
+    """Per-head values -> (topk_t, cdf_t, sim_t, topk_l, cdf_l, sim_l) for the custom op schema."""
+    tensors: List[Any] = []
+    lists: List[Any] = []
     for h in (r.topk_h, r.cdf_h, r.sim_h):
         if h is None:
-            out += [None, None]
+            tensors.append(None)
+            lists.append(None)
         elif _is_torch(h):
-            out += [h, None]
+            tensors.append(h)
+            lists.append(None)
         else:
             vals = h.tolist() if hasattr(h, "tolist") else h
-            out += [None, [float(x) for x in vals]]
-    return tuple(out)
+            tensors.append(None)
+            lists.append([float(x) for x in vals])
+    return tuple(tensors) + tuple(lists)
 
 
 def _op_scalars(r: _Resolved) -> Tuple[Any, ...]:
