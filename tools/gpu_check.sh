@@ -1,0 +1,274 @@
+#!/usr/bin/env bash
+# GPU check: build, test, sanitize, benchmark and profile libsparge on a CUDA
+# machine in one go, with a time limit per stage and an overall budget, so that
+# one hang cannot eat the session. Every stage runs even if an earlier one
+# failed (where it can: nothing runs without a build); a summary table is
+# printed last.
+#
+#   tools/gpu_check.sh [stage ...]     (default: info build test sanitize bench ncu)
+#
+# Stages
+#   info      nvidia-smi, GPU clocks, commit, toolchain versions
+#   build     cmake (Release, Ninja, -DSPARGE_CUDA=ON) + build everything with -j16;
+#             Catch2 comes from .deps/catch2/catch.hpp when no Catch2 package exists
+#   test      ctest (everything but gpu_tests), then the GPU test binary directly,
+#             with its measured-accuracy table; the host-pointer tests in a
+#             process of their own
+#   sanitize  compute-sanitizer memcheck, racecheck, synccheck on the [sanitize]
+#             subset of the GPU tests (small shapes)
+#   bench     sparge_bench (all workloads) and tools/bench/anchors.py (torch SDPA
+#             cuDNN / FLASH_ATTENTION, ceilings, accuracy vs float32 SDPA, side by side)
+#   ncu       Nsight Compute (--clock-control none) on the int8_fp8 attention kernel
+#             at N=16K D=128 (tensor-pipe utilization, throughput), and kernel
+#             durations of one predict+attention call
+#
+# Environment
+#   BUILD_DIR (build-gpu)    GPU_CHECK_BUDGET_S (570: total seconds for all stages)
+#   OUT (where logs go; default ./gpu_check_out)   JOBS (16)
+#   BENCH_ARGS (extra sparge_bench arguments, e.g. --n64k)
+#   NCU_KERNEL_REGEX (regex:attn_int8fp8)  SPARGE_TEST_SEED (reproduce a test run)
+#
+# Files written to $OUT (8 at most): build.log test.log sanitize.log bench.log
+# bench.csv anchors.csv ncu.log summary.txt
+set -o pipefail
+set -u
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+ROOT=$PWD
+BUILD=${BUILD_DIR:-build-gpu}
+OUTDIR=${OUT:-$ROOT/gpu_check_out}
+JOBS=${JOBS:-16}
+BUDGET=${GPU_CHECK_BUDGET_S:-570}
+T0=$(date +%s)
+mkdir -p "$OUTDIR"
+LOG=$OUTDIR
+
+if [ $# -eq 0 ]; then
+  set -- info build test sanitize bench ncu
+fi
+STAGES=" $* "
+want() { [[ $STAGES == *" $1 "* ]]; }
+
+COMMIT=$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+if ! git -C "$ROOT" diff --quiet HEAD 2>/dev/null; then COMMIT="$COMMIT+dirty"; fi
+
+SUMMARY=()
+note() { SUMMARY+=("$(printf '| %-9s | %-7s | %5s s | %s |' "$1" "$2" "$3" "$4")"); }
+elapsed() { echo $(($(date +%s) - T0)); }
+# Seconds a stage may use: its own cap, or what is left of the budget (minus a reserve).
+allow() {
+  local cap=$1 left=$((BUDGET - $(elapsed) - 15))
+  ((left < cap)) && cap=$left
+  echo "$cap"
+}
+banner() { printf '\n==== %s (t=%ss)\n' "$*" "$(elapsed)"; }
+# run_to LOGFILE SECONDS cmd...: runs with a timeout, appending to the log and to stdout.
+run_to() {
+  local log=$1 secs=$2
+  shift 2
+  if ((secs < 5)); then
+    echo "(skipped: no time left in the budget) $*" | tee -a "$log"
+    return 124
+  fi
+  echo "\$ $* (timeout ${secs}s)" | tee -a "$log"
+  timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  if ((rc == 124 || rc == 137)); then echo "TIMEOUT after ${secs}s: $*" | tee -a "$log"; fi
+  return "$rc"
+}
+
+BUILT=0
+[ -x "$BUILD/tests/sparge_gpu_tests" ] && [ -f "$BUILD/libsparge.so" ] && BUILT=1
+
+# ---------------------------------------------------------------- info
+if want info; then
+  banner info
+  s=$(date +%s)
+  {
+    echo "commit $COMMIT ($(git -C "$ROOT" log -1 --format='%cd %s' --date=iso 2>/dev/null))"
+    nvidia-smi || echo "nvidia-smi failed"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit \
+      --format=csv 2>/dev/null
+    command -v nvcc >/dev/null && nvcc --version | tail -n 2
+    cmake --version | head -n 1
+    ninja --version 2>/dev/null | sed 's/^/ninja /'
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())' 2>&1
+    command -v ncu >/dev/null && ncu --version | tail -n 1
+    command -v compute-sanitizer >/dev/null && compute-sanitizer --version | tail -n 1
+    nproc | sed 's/^/cpus /'
+  } 2>&1 | tee -a "$LOG/build.log"
+  note info ok $(($(date +%s) - s)) "commit $COMMIT"
+fi
+
+# ---------------------------------------------------------------- build
+if want build; then
+  banner build
+  s=$(date +%s)
+  CATCH_ARGS=()
+  if [ -f "$ROOT/.deps/catch2/catch.hpp" ]; then
+    CATCH_ARGS=(-DSPARGE_CATCH2_INCLUDE_DIR="$ROOT/.deps")
+  elif [ ! -f /usr/include/catch2/catch.hpp ]; then
+    echo "warning: no .deps/catch2/catch.hpp (carry .deps) and no system Catch2: configure will fail" | tee -a "$LOG/build.log"
+  fi
+  rc=0
+  run_to "$LOG/build.log" "$(allow 120)" cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DSPARGE_CUDA=ON "${CATCH_ARGS[@]}" || rc=$?
+  if ((rc == 0)); then
+    run_to "$LOG/build.log" "$(allow 480)" cmake --build "$BUILD" -j "$JOBS" || rc=$?
+  fi
+  if ((rc == 0)); then
+    BUILT=1
+    note build ok $(($(date +%s) - s)) "$BUILD"
+  else
+    BUILT=0
+    note build FAIL $(($(date +%s) - s)) "rc=$rc, see build.log"
+    grep -E "error|Error" "$LOG/build.log" | head -n 20
+  fi
+fi
+
+GPU_TESTS=$BUILD/tests/sparge_gpu_tests
+BENCH=$BUILD/tools/bench/sparge_bench
+
+# ---------------------------------------------------------------- test
+if want test; then
+  banner test
+  s=$(date +%s)
+  if ((BUILT == 0)); then
+    note test skip 0 "no build"
+  else
+    fails=()
+    run_to "$LOG/test.log" "$(allow 180)" ctest --test-dir "$BUILD" --output-on-failure -j 8 --timeout 170 \
+      -E '^gpu_tests$' || fails+=("ctest")
+    run_to "$LOG/test.log" "$(allow 240)" env SPARGE_GPU_TEST_CSV="$BUILD/gpu_accuracy.csv" "$GPU_TESTS" \
+      '~[hostptr]' -r compact -d yes
+    rc=$?
+    ((rc == 77)) && fails+=("gpu: SKIPPED (no device?)")
+    ((rc != 0 && rc != 77)) && fails+=("gpu_tests rc=$rc")
+    run_to "$LOG/test.log" "$(allow 60)" "$GPU_TESTS" '[hostptr]' -r compact -d yes
+    rc=$?
+    ((rc != 0 && rc != 77)) && fails+=("hostptr rc=$rc")
+    acc=$(grep -c '^ACC .* FAIL$' "$LOG/test.log")
+    tot=$(grep -c '^ACC ' "$LOG/test.log")
+    summary_line=$(grep -E '^(test cases|All tests passed|Failed)' "$LOG/test.log" | tail -n 2 | tr '\n' ' ')
+    if ((${#fails[@]} == 0)); then
+      note test ok $(($(date +%s) - s)) "accuracy values $((tot - acc))/$tot within bars; $summary_line"
+    else
+      note test FAIL $(($(date +%s) - s)) "${fails[*]}; accuracy values outside bars: $acc/$tot"
+    fi
+  fi
+fi
+
+# ---------------------------------------------------------------- sanitize
+if want sanitize; then
+  banner sanitize
+  s=$(date +%s)
+  if ((BUILT == 0)); then
+    note sanitize skip 0 "no build"
+  elif ! command -v compute-sanitizer >/dev/null; then
+    note sanitize skip 0 "compute-sanitizer not found"
+  else
+    res=()
+    for tool in memcheck racecheck synccheck; do
+      filter='[sanitize]'
+      [ "$tool" != memcheck ] && filter='[sanitize]~[errors]'
+      extra=()
+      [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+      run_to "$LOG/sanitize.log" "$(allow 150)" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        --print-limit 50 "${extra[@]}" "$GPU_TESTS" "$filter" -r compact
+      rc=$?
+      case $rc in
+        0) res+=("$tool ok") ;;
+        99) res+=("$tool ERRORS") ;;
+        124 | 137) res+=("$tool timeout") ;;
+        *) res+=("$tool rc=$rc") ;;
+      esac
+    done
+    st=ok
+    [[ "${res[*]}" == *ERRORS* || "${res[*]}" == *rc=* || "${res[*]}" == *timeout* ]] && st=FAIL
+    note sanitize $st $(($(date +%s) - s)) "${res[*]}"
+  fi
+fi
+
+# ---------------------------------------------------------------- bench
+if want bench; then
+  banner bench
+  s=$(date +%s)
+  if ((BUILT == 0)) || [ ! -x "$BENCH" ]; then
+    note bench skip 0 "no build"
+  else
+    res=()
+    # shellcheck disable=SC2086
+    run_to "$LOG/bench.log" "$(allow 200)" "$BENCH" --csv "$LOG/bench.csv" --tag "$COMMIT" ${BENCH_ARGS:-}
+    rc=$?
+    ((rc == 0)) && res+=("sparge_bench ok") || res+=("sparge_bench rc=$rc")
+    run_to "$LOG/bench.log" "$(allow 150)" env PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench/anchors.py" \
+      --lib "$BUILD/libsparge.so" --ours "$LOG/bench.csv" --csv "$LOG/anchors.csv"
+    rc=$?
+    ((rc == 0)) && res+=("anchors ok") || res+=("anchors rc=$rc")
+    st=ok
+    [[ "${res[*]}" == *rc=* ]] && st=FAIL
+    note bench $st $(($(date +%s) - s)) "${res[*]}"
+  fi
+fi
+
+# ---------------------------------------------------------------- ncu
+if want ncu; then
+  banner ncu
+  s=$(date +%s)
+  if ((BUILT == 0)) || [ ! -x "$BENCH" ]; then
+    note ncu skip 0 "no build"
+  elif ! command -v ncu >/dev/null; then
+    note ncu skip 0 "ncu not found"
+  else
+    # Tensor-pipe metrics that this ncu knows for the chip (names differ between versions).
+    mets="gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size"
+    avail=$(timeout 60 ncu --query-metrics --chip gh100 2>/dev/null | awk '{print $1}')
+    for m in sm__pipe_tensor_op_gmma_cycles_active sm__pipe_tensor_op_hmma_cycles_active sm__pipe_tensor_cycles_active \
+      sm__inst_executed_pipe_tensor_op_gmma sm__pipe_shared_cycles_active; do
+      if grep -qx "$m" <<<"$avail"; then
+        case $m in
+          sm__inst_executed*) mets="$mets,$m.sum" ;;
+          *) mets="$mets,$m.avg.pct_of_peak_sustained_active" ;;
+        esac
+      fi
+    done
+    KRE=${NCU_KERNEL_REGEX:-regex:attn_int8fp8}
+    rc1=0
+    run_to "$LOG/ncu.log" "$(allow 150)" ncu --clock-control none -k "$KRE" --launch-skip 1 -c 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes dense --warmup 1 --min-iters 1 \
+      --max-iters 1 || rc1=$?
+    # Achieved throughput: the kernel's own work over its ncu-measured duration.
+    dur=$(grep -E 'gpu__time_duration.sum' "$LOG/ncu.log" | tail -n 1 | awk '{print $NF, $(NF-1)}')
+    echo "kernel duration (ncu): $dur for 4*32*16384^2*128 = 4.398e12 ops (TOPS = 4398 / duration in ms)" | tee -a "$LOG/ncu.log"
+    rc2=0
+    # Every kernel of one predict+attention call (prediction breakdown), durations only.
+    run_to "$LOG/ncu.log" "$(allow 120)" ncu --clock-control none --metrics gpu__time_duration.sum \
+      "$BENCH" --n 32768 --d 128 --causal 0 --modes pred+attn --warmup 0 --min-iters 1 --max-iters 1 || rc2=$?
+    st=ok
+    ((rc1 != 0 || rc2 != 0)) && st=FAIL
+    note ncu $st $(($(date +%s) - s)) "kernel rc=$rc1, breakdown rc=$rc2; $dur"
+  fi
+fi
+
+# ---------------------------------------------------------------- summary
+{
+  printf '\n==== summary (commit %s, %s s in all)\n\n' "$COMMIT" "$(elapsed)"
+  echo "| stage     | status  | time    | note |"
+  echo "|-----------|---------|---------|------|"
+  for l in "${SUMMARY[@]}"; do echo "$l"; done
+  if [ -f "$BUILD/gpu_accuracy.csv" ]; then
+    echo
+    echo "accuracy values outside their bars (from the GPU tests):"
+    awk -F, 'NR > 1 && $NF == 0' "$BUILD/gpu_accuracy.csv" | head -n 20
+  fi
+  if [ -f "$LOG/bench.csv" ]; then
+    echo
+    echo "benchmark targets missed:"
+    grep -c MISS "$LOG/bench.csv" || true
+  fi
+} 2>&1 | tee "$LOG/summary.txt"
+echo "logs: $LOG"
+# Non-zero when any stage failed.
+for l in "${SUMMARY[@]}"; do [[ $l == *"| FAIL "* ]] && exit 1; done
+exit 0
