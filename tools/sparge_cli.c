@@ -951,7 +951,7 @@ int main(int argc, char** argv) {
     if (dens > kmax) kmax = dens;
   }
   density = visible > 0 ? (double)kept_total / ((double)visible * (double)(o.B * o.H)) : 0.0;
-  printf("blocks    : %dx%d, %lldx%lld per head, %lld causally visible; density %.4f "
+  printf("blocks    : %dx%d, %lldx%lld per head, %lld visible; density %.4f "
          "(per head %.4f .. %.4f)\n",
          resolved.block_q, resolved.block_k, (long long)nQB, (long long)nKB, (long long)visible, density, kmin,
          kmax);
