@@ -124,9 +124,9 @@ SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_
     const Plan& pl = *plan;
     SPARGE_TRY(api::check_tensor(pl, q, api::spec_q(pl, "q")));
     SPARGE_TRY(api::check_tensor(pl, k, api::spec_kv(pl, "k")));
+    SPARGE_TRY(api::check_tensor(pl, mask_out, api::spec_mask(pl, "mask_out")));
     PredictConfig cfg;
     SPARGE_TRY(api::read_params(pl, params, &cfg));
-    SPARGE_TRY(api::check_tensor(pl, mask_out, api::spec_mask(pl, "mask_out")));
     if (kept_out) SPARGE_TRY(api::check_tensor(pl, kept_out, api::spec_kept(pl, "kept_out")));
     SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
 
