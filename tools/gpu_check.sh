@@ -259,8 +259,9 @@ fi
   for l in "${SUMMARY[@]}"; do echo "$l"; done
   if [ -f "$BUILD/gpu_accuracy.csv" ]; then
     echo
-    echo "accuracy values outside their bars (from the GPU tests):"
-    awk -F, 'NR > 1 && $NF == 0' "$BUILD/gpu_accuracy.csv" | head -n 20
+    echo "accuracy values outside their test bars (hard=1) or design targets (hard=0), from the GPU tests:"
+    echo "test,case,metric,value,bar,higher_is_better,hard,pass"
+    awk -F, 'NR > 1 && $NF == 0' "$BUILD/gpu_accuracy.csv" | head -n 30
   fi
   if [ -f "$LOG/bench.csv" ]; then
     echo

@@ -247,7 +247,9 @@ std::vector<float> random_values(int64_t B, int64_t H, int64_t L, int64_t D, uin
     if (outliers) {
       for (int64_t c = 0; c < D; ++c)
         chan_off[static_cast<size_t>(c)] = offset_scale * static_cast<float>(std::sin(0.37 * c + 1.3 * h));
-      const int64_t picks[3] = {(h * 7 + 3) % D, (h * 13 + 5) % D, (h * 29 + 11) % D};
+      // The same channels in every head of Q and K (as in real models, where
+      // Q and K outliers share channels); the offset pattern varies by head.
+      const int64_t picks[3] = {3 % D, 40 % D, 77 % D};
       for (int64_t c : picks) chan_mul[static_cast<size_t>(c)] = 20.f;
     }
     const size_t base = static_cast<size_t>(bh * L * D);
@@ -905,12 +907,12 @@ static std::mutex g_rec_mu;
 static std::vector<Record> g_records;
 
 void record(const std::string& test, const std::string& label, const std::string& metric, double value, double bar,
-            bool higher_is_better) {
+            bool higher_is_better, bool hard) {
   const bool pass = higher_is_better ? value >= bar : value <= bar;
   std::lock_guard<std::mutex> lk(g_rec_mu);
-  g_records.push_back({test, label, metric, value, bar, higher_is_better, pass});
-  std::printf("ACC %-10s %-44s %-16s %12.6g  (%s %-8.3g) %s\n", test.c_str(), label.c_str(), metric.c_str(), value,
-              higher_is_better ? ">=" : "<=", bar, pass ? "ok" : "FAIL");
+  g_records.push_back({test, label, metric, value, bar, higher_is_better, pass, hard});
+  std::printf("ACC %-10s %-34s %-22s %12.6g  (%s %-8.3g) %s\n", test.c_str(), label.c_str(), metric.c_str(), value,
+              higher_is_better ? ">=" : "<=", bar, pass ? "ok" : (hard ? "FAIL" : "miss"));
   std::fflush(stdout);
 }
 
@@ -920,19 +922,21 @@ void print_records() {
   std::printf("\n## Measured accuracy (%zu values, base seed 0x%016llx)\n\n", g_records.size(),
               static_cast<unsigned long long>(base_seed()));
   std::printf("| test | case | metric | value | bar | ok |\n|---|---|---|---:|---:|---|\n");
-  int fails = 0;
+  int fails = 0, misses = 0;
   for (const Record& r : g_records) {
     std::printf("| %s | %s | %s | %.6g | %s %.3g | %s |\n", r.test.c_str(), r.label.c_str(), r.metric.c_str(), r.value,
-                r.higher_is_better ? ">=" : "<=", r.bar, r.pass ? "ok" : "**FAIL**");
-    fails += !r.pass;
+                r.higher_is_better ? ">=" : "<=", r.bar, r.pass ? "ok" : (r.hard ? "**FAIL**" : "miss (target)"));
+    fails += !r.pass && r.hard;
+    misses += !r.pass && !r.hard;
   }
-  std::printf("\n%d of %zu measured values outside their bars\n", fails, g_records.size());
+  std::printf("\n%d of %zu measured values outside their test bars; %d design-target values missed (not failures)\n",
+              fails, g_records.size(), misses);
   if (const char* csv = std::getenv("SPARGE_GPU_TEST_CSV")) {
     if (FILE* f = std::fopen(csv, "w")) {
-      std::fprintf(f, "test,case,metric,value,bar,higher_is_better,pass\n");
+      std::fprintf(f, "test,case,metric,value,bar,higher_is_better,hard,pass\n");
       for (const Record& r : g_records)
-        std::fprintf(f, "%s,\"%s\",%s,%.9g,%.9g,%d,%d\n", r.test.c_str(), r.label.c_str(), r.metric.c_str(), r.value,
-                     r.bar, r.higher_is_better ? 1 : 0, r.pass ? 1 : 0);
+        std::fprintf(f, "%s,\"%s\",%s,%.9g,%.9g,%d,%d,%d\n", r.test.c_str(), r.label.c_str(), r.metric.c_str(), r.value,
+                     r.bar, r.higher_is_better ? 1 : 0, r.hard ? 1 : 0, r.pass ? 1 : 0);
       std::fclose(f);
     }
   }

@@ -77,10 +77,10 @@ bool near_tie(const Shape& s, const PredictRef& P, const sparge_predict_params_t
   const double tol = 1e-5 + 1e-4 * P.mag[row];
   char buf[256];
   if (prm.sim_threshold > 0) {
-    const double thr = prm.sim_threshold;
-    if (std::fabs(P.sim_q[row] - thr) <= 1e-4) return *why = "sim_q at threshold", true;
+    const double thr = prm.sim_threshold, stol = 1e-4 * thr + 1e-7;  // float32 sums: ~1e-6 relative
+    if (std::fabs(P.sim_q[row] - thr) <= stol) return *why = "sim_q at threshold", true;
     for (int64_t kb = 0; kb < vis; ++kb)
-      if (std::fabs(P.sim_k[static_cast<size_t>((b * s.Hkv + h / s.group()) * nKB + kb)] - thr) <= 1e-4)
+      if (std::fabs(P.sim_k[static_cast<size_t>((b * s.Hkv + h / s.group()) * nKB + kb)] - thr) <= stol)
         return *why = "sim_k at threshold", true;
   }
   int64_t n = 0;
