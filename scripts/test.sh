@@ -23,7 +23,7 @@ t_start=$(date +%s)
 
 section "configure + build ($BUILD_DIR, $BUILD_TYPE, SPARGE_CUDA=$SPARGE_CUDA, -j$JOBS)"
 command -v nvcc >/dev/null 2>&1 && echo "nvcc: $(command -v nvcc) ($(nvcc --version | tail -n 2 | head -n 1))"
-if ! sparge_configure || ! cmake --build "$BUILD_DIR" -j "$JOBS"; then
+if ! sparge_configure -DSPARGE_BUILD_TESTS=ON || ! cmake --build "$BUILD_DIR" -j "$JOBS"; then
   echo "build failed" >&2
   echo "suites: 0 passed, 1 failed"
   exit 1
