@@ -406,6 +406,24 @@ static int cuda_device_count(void) {
 static void resolve_defaults(options_t* o) {
   if (o->device < 0) {
     o->device = (sparge_has_cuda() && cuda_device_count() > 0) ? SPARGE_DEVICE_CUDA : SPARGE_DEVICE_CPU;
+    if (o->device == SPARGE_DEVICE_CUDA) {
+      /* A GPU is present; make sure the library can use it (e.g. its compute
+       * capability), else fall back to the CPU workload and say why. */
+      sparge_problem_t probe = SPARGE_PROBLEM_INIT;
+      sparge_plan_t plan = NULL;
+      sparge_status_t st;
+      probe.len_q = probe.len_kv = 128;
+      probe.head_dim = 128;
+      probe.device_type = SPARGE_DEVICE_CUDA;
+      probe.device_id = o->device_id;
+      st = sparge_create_plan(&probe, &plan);
+      sparge_destroy_plan(plan);
+      if (st != SPARGE_OK) {
+        printf("note      : CUDA device not usable (%s: %s); running the CPU workload\n", sparge_status_string(st),
+               sparge_last_error());
+        o->device = SPARGE_DEVICE_CPU;
+      }
+    }
   }
   if (o->device == SPARGE_DEVICE_CUDA) {
 #ifndef SPARGE_TOOL_CUDA
@@ -797,6 +815,8 @@ int main(int argc, char** argv) {
   int min_cos_failed = 0;
 
   parse_args(argc, argv, &o);
+  sparge_version(&major, &minor, &patch);
+  printf("sparge %d.%d.%d (CUDA backend: %s)\n", major, minor, patch, sparge_has_cuda() ? "yes" : "no");
   resolve_defaults(&o);
   dev = (sparge_device_type_t)o.device;
   dt = (sparge_dtype_t)o.dtype;
@@ -805,8 +825,6 @@ int main(int argc, char** argv) {
   memset(&tm, 0, sizeof(tm));
   tm.cuda = cuda;
 
-  sparge_version(&major, &minor, &patch);
-  printf("sparge %d.%d.%d (CUDA backend: %s)\n", major, minor, patch, sparge_has_cuda() ? "yes" : "no");
 
 #ifdef SPARGE_TOOL_CUDA
   if (cuda) {
