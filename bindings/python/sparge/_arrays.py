@@ -40,13 +40,14 @@ class View:
 
     def __init__(self, ptr: int, device_type: int, device_id: int, dtype: Optional[int],
                  shape: Sequence[int], strides: Sequence[int], keep: Any, kind: str,
-                 stream: Optional[int] = None, readonly: bool = False, src_dtype: str = "") -> None:
-        self.ptr = int(ptr or 0)
+                 stream: Optional[int] = None, readonly: bool = False, src_dtype: Any = "") -> None:
+        # Hot path: no conversions here; producers pass tuples of ints.
+        self.ptr = ptr or 0
         self.device_type = device_type
-        self.device_id = int(device_id)
+        self.device_id = device_id
         self.dtype = dtype
-        self.shape = tuple(int(s) for s in shape)
-        self.strides = tuple(int(s) for s in strides)
+        self.shape = shape
+        self.strides = strides
         self.keep = keep
         self.kind = kind
         self.stream = stream
@@ -64,20 +65,17 @@ class View:
         """The C descriptor, with dims reordered by ``perm`` (logical dim i = view dim perm[i])."""
         shape, strides = self.shape, self.strides
         if perm is not None:
-            shape = tuple(shape[p] for p in perm)
-            strides = tuple(strides[p] for p in perm)
-        if len(shape) > C.MAX_DIMS:
-            raise C.InvalidArgumentError("tensor has %d dims; at most %d supported" % (len(shape), C.MAX_DIMS))
-        t = C.SpargeTensor()
-        t.data = self.ptr
-        t.device_type = self.device_type
-        t.device_id = self.device_id
-        t.dtype = self.dtype if self.dtype is not None else -1
-        t.ndim = len(shape)
-        for i, (s, st) in enumerate(zip(shape, strides)):
-            t.shape[i] = s
-            t.strides[i] = st
-        return t
+            shape = [shape[p] for p in perm]
+            strides = [strides[p] for p in perm]
+        n = len(shape)
+        if n > C.MAX_DIMS:
+            raise C.InvalidArgumentError("tensor has %d dims; at most %d supported" % (n, C.MAX_DIMS))
+        return C.SpargeTensor(self.ptr, self.device_type, self.device_id,
+                              self.dtype if self.dtype is not None else -1, n,
+                              _I64x4(*shape), _I64x4(*strides))
+
+
+_I64x4 = ctypes.c_int64 * C.MAX_DIMS
 
 
 # ------------------------------------------------------------------ numpy
@@ -103,8 +101,8 @@ def numpy_view(a: np.ndarray) -> View:
             raise C.InvalidArgumentError("array strides %s are not multiples of its itemsize %d" % (a.strides, item))
         strides.append(s // item)
     ptr = a.__array_interface__["data"][0]
-    return View(ptr, C.DEVICE_CPU, 0, _np_dtype_code(a.dtype), a.shape, strides, a, "numpy",
-                readonly=not a.flags.writeable, src_dtype=str(a.dtype))
+    return View(ptr, C.DEVICE_CPU, 0, _np_dtype_code(a.dtype), a.shape, tuple(strides), a, "numpy",
+                readonly=not a.flags.writeable, src_dtype=a.dtype)
 
 
 # ------------------------------------------------------------------ torch
@@ -118,28 +116,33 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+_TORCH_DTYPES: Optional[Dict[Any, int]] = None
+
+
 def _torch_dtype_code(torch: Any, dt: Any) -> Optional[int]:
-    return {
-        torch.float16: C.DTYPE_FLOAT16,
-        torch.bfloat16: C.DTYPE_BFLOAT16,
-        torch.float32: C.DTYPE_FLOAT32,
-        torch.uint8: C.DTYPE_UINT8,
-        torch.bool: C.DTYPE_UINT8,
-        torch.int32: C.DTYPE_INT32,
-    }.get(dt)
+    global _TORCH_DTYPES
+    if _TORCH_DTYPES is None:
+        _TORCH_DTYPES = {
+            torch.float16: C.DTYPE_FLOAT16,
+            torch.bfloat16: C.DTYPE_BFLOAT16,
+            torch.float32: C.DTYPE_FLOAT32,
+            torch.uint8: C.DTYPE_UINT8,
+            torch.bool: C.DTYPE_UINT8,
+            torch.int32: C.DTYPE_INT32,
+        }
+    return _TORCH_DTYPES.get(dt)
 
 
 def torch_view(t: Any) -> View:
-    torch = torch_module()
     dev = t.device
     if dev.type == "cuda":
-        dtype_dev, did = C.DEVICE_CUDA, dev.index if dev.index is not None else torch.cuda.current_device()
+        dtype_dev, did = C.DEVICE_CUDA, dev.index
     elif dev.type == "cpu":
         dtype_dev, did = C.DEVICE_CPU, 0
     else:
         raise C.UnsupportedError("tensors on device %r are not supported (cpu or cuda only)" % str(dev))
-    return View(t.data_ptr(), dtype_dev, did, _torch_dtype_code(torch, t.dtype), t.shape, t.stride(), t,
-                "torch", src_dtype=str(t.dtype).replace("torch.", ""))
+    return View(t.data_ptr(), dtype_dev, did, _torch_dtype_code(torch_module(), t.dtype), tuple(t.shape),
+                t.stride(), t, "torch", src_dtype=t.dtype)
 
 
 # ------------------------------------------------------------------ DLPack
@@ -311,7 +314,8 @@ def dlpack_view(obj: Any, name: str, stream: Optional[int] = None) -> View:
         raise C.UnsupportedError("%s: DLPack device type %d is not supported (CPU or CUDA only)" % (name, dt))
     src = "dl(code=%d,bits=%d,lanes=%d)" % (t.dtype.code, t.dtype.bits, t.dtype.lanes)
     del nbytes
-    return View(data, sdev, sid, code, shape, strides, owner, "dlpack", readonly=readonly, src_dtype=src)
+    return View(data, sdev, sid, code, tuple(shape), tuple(strides), owner, "dlpack", readonly=readonly,
+                src_dtype=src)
 
 
 # ------------------------------------------------------------------ CUDA array interface
@@ -354,7 +358,7 @@ def cai_view(obj: Any, name: str) -> View:
             strides.append(s // itemsize)
     ptr, ro = d["data"]
     stream = d.get("stream") if int(d.get("version", 0)) >= 3 else None
-    return View(ptr or 0, C.DEVICE_CUDA, _cai_device(obj), code, shape, strides, obj, "cai",
+    return View(ptr or 0, C.DEVICE_CUDA, _cai_device(obj), code, tuple(shape), tuple(strides), obj, "cai",
                 stream=stream, readonly=bool(ro), src_dtype=typestr)
 
 
@@ -445,14 +449,15 @@ class TorchAllocator:
 
     def empty(self, shape: Sequence[int], dtype: str, like: View) -> Tuple[Any, View]:
         torch = torch_module()
-        t = torch.empty(tuple(shape), dtype=self._torch_dtype(dtype), device=self._device(like))
+        dev = like.keep.device if is_torch_tensor(like.keep) else self._device(like)
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
         return t, torch_view(t)
 
     def workspace(self, nbytes: int, like: View, stream: int) -> Tuple[int, Any]:
         if nbytes == 0:
             return 0, None
         torch = torch_module()
-        device = self._device(like)
+        device = like.keep.device if is_torch_tensor(like.keep) else self._device(like)
         need = nbytes + _ALIGN
         if like.device_type == C.DEVICE_CPU:
             buf = getattr(self._tls, "buf", None)
@@ -466,7 +471,7 @@ class TorchAllocator:
         else:
             # Reused per (device, stream): work on one stream is ordered, so a buffer is free
             # for the next call on the same stream once this one is enqueued.
-            key = (str(device), int(stream))
+            key = (like.device_id, stream)
             with self._lock:
                 buf = self._ws.get(key)
                 if buf is None or buf.numel() < need:

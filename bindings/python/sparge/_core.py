@@ -14,7 +14,7 @@ import weakref
 from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _capi as C
-from ._arrays import View, dtype_name
+from ._arrays import View, as_view, dtype_name
 
 LAYOUTS = {"HND": 0, "NHD": 1}
 MODES = {"topk": C.SELECT_TOPK, "cdf": C.SELECT_CDF}
@@ -137,8 +137,7 @@ def check_qkv(q: View, k: View, v: Optional[View], layout: int, need_float: bool
     for name, t in views:
         if t.ndim != 4:
             raise _arg_error("%s must be 4-D %s (layout %r), got shape %s" % (name, form, lname, t.shape))
-        if t.dtype not in (C.DTYPE_FLOAT16, C.DTYPE_BFLOAT16, C.DTYPE_FLOAT32) or (
-                t.src_dtype in ("bool",)):
+        if t.dtype not in (C.DTYPE_FLOAT16, C.DTYPE_BFLOAT16, C.DTYPE_FLOAT32):
             raise _arg_error("%s has dtype %s; expected float16, bfloat16 or float32" % (name, t.src_dtype))
         if t.strides[3] != 1 and t.shape[3] > 1:
             raise _arg_error("%s must have unit stride on the head dimension D, got strides %s"
@@ -253,8 +252,19 @@ def get_plan(s: Shapes, q: View, opts: Options) -> Plan:
 
 
 # ------------------------------------------------------------------ calls
+_PARAMS_CACHE: dict = {}
+
+
 def _params(opts: Options, alloc: Any, like: View, Hq: int,
             topk_h: Any, cdf_h: Any, sim_h: Any) -> Tuple[C.SpargePredictParams, list]:
+    if topk_h is None and cdf_h is None and sim_h is None:
+        p = _PARAMS_CACHE.get(opts)
+        if p is None:  # read-only for the library (const), so one struct per option set is shared
+            p = _make_params(opts, (None, None, None))
+            if len(_PARAMS_CACHE) > 256:
+                _PARAMS_CACHE.clear()
+            _PARAMS_CACHE[opts] = p
+        return p, []
     keep = []
     ptrs = []
     for name, vals in (("topk", topk_h), ("cdf_threshold", cdf_h), ("sim_threshold", sim_h)):
@@ -267,12 +277,15 @@ def _params(opts: Options, alloc: Any, like: View, Hq: int,
         ptr, obj = alloc.per_head(vals, like)
         keep.append(obj)
         ptrs.append(ptr)
-    p = C.SpargePredictParams(mode=opts.mode, topk=opts.topk, cdf_threshold=opts.cdf,
-                              sim_threshold=opts.sim, smooth_k=int(opts.smooth_k),
-                              attention_sink=int(opts.sink), topk_per_head=ptrs[0],
-                              cdf_threshold_per_head=ptrs[1], sim_threshold_per_head=ptrs[2],
-                              pv_threshold=0.0)
-    return p, keep
+    return _make_params(opts, ptrs), keep
+
+
+def _make_params(opts: Options, ptrs: Sequence[Any]) -> C.SpargePredictParams:
+    return C.SpargePredictParams(mode=opts.mode, topk=opts.topk, cdf_threshold=opts.cdf,
+                                 sim_threshold=opts.sim, smooth_k=int(opts.smooth_k),
+                                 attention_sink=int(opts.sink), topk_per_head=ptrs[0],
+                                 cdf_threshold_per_head=ptrs[1], sim_threshold_per_head=ptrs[2],
+                                 pv_threshold=0.0)
 
 
 def out_shape(s: Shapes, layout: int) -> Tuple[int, int, int, int]:
@@ -326,8 +339,6 @@ def attention(alloc: Any, q: View, k: View, v: View, s: Shapes, opts: Options, s
     if mask is None and want_kept:
         mask_obj, kept, _ = predict(alloc, q, k, s, opts, stream, topk_h, cdf_h, sim_h, True, plan)
         mask_keep = mask_obj
-        from ._arrays import as_view
-
         mask = as_view(mask_obj, "mask")
     if mask is not None:
         check_mask(mask, s, plan, q)

@@ -33,21 +33,40 @@ def _per_head(t: Optional[Tensor], lst: Optional[List[float]]) -> Any:
     return t if t is not None else lst
 
 
-class _DeviceGuard:
-    """Makes q's CUDA device current for the call (kernels launch on the current device)."""
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-    def __init__(self, t: Tensor) -> None:
-        self.ctx = torch.cuda.device(t.device) if t.is_cuda else None
 
-    def __enter__(self) -> int:
-        if self.ctx is None:
-            return 0
-        self.ctx.__enter__()
-        return torch.cuda.current_stream().cuda_stream
+def _current_stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
-    def __exit__(self, *exc: Any) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+
+def _on_device(q: Tensor, fn: Any) -> Any:
+    """Runs fn(stream) with q's CUDA device current (kernels launch on the current device)."""
+    if not q.is_cuda:
+        return fn(0)
+    index = q.device.index
+    if index == torch.cuda.current_device():
+        return fn(_current_stream(index))
+    with torch.cuda.device(index):
+        return fn(_current_stream(index))
+
+
+def run_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], heads: Tuple[Any, Any, Any],
+                  opts: core.Options, want_lse: bool, want_kept: bool) -> Tuple[Tensor, Any, Any]:
+    """The library call on torch tensors: (out, lse or None, kept or None)."""
+    qv, kv, vv = torch_view(q), torch_view(k), torch_view(v)
+    s = core.check_qkv(qv, kv, vv, opts.layout)
+    mv = torch_view(mask) if mask is not None else None
+
+    def call(stream: int) -> Tuple[Tensor, Any, Any]:
+        out, lse, kept, _ = core.attention(
+            torch_allocator(), qv, kv, vv, s, opts, stream, mask=mv, topk_h=heads[0], cdf_h=heads[1],
+            sim_h=heads[2], want_lse=want_lse, want_kept=want_kept and mask is None)
+        return out, lse, kept
+
+    return _on_device(q, call)
 
 
 def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
@@ -57,14 +76,8 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                    smooth_k: bool, sink: bool, precision: int, block_q: int, block_k: int,
                    want_lse: bool, want_kept: bool) -> Tuple[Tensor, Tensor, Tensor]:
     opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, precision, block_q, block_k)
-    qv, kv, vv = torch_view(q), torch_view(k), torch_view(v)
-    s = core.check_qkv(qv, kv, vv, layout)
-    mv = torch_view(mask) if mask is not None else None
-    with _DeviceGuard(q) as stream:
-        out, lse, kept, _ = core.attention(
-            torch_allocator(), qv, kv, vv, s, opts, stream, mask=mv,
-            topk_h=_per_head(topk_t, topk_l), cdf_h=_per_head(cdf_t, cdf_l), sim_h=_per_head(sim_t, sim_l),
-            want_lse=want_lse, want_kept=want_kept and mask is None)
+    heads = (_per_head(topk_t, topk_l), _per_head(cdf_t, cdf_l), _per_head(sim_t, sim_l))
+    out, lse, kept = run_attention(q, k, v, mask, heads, opts, want_lse, want_kept)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     if kept is None:
@@ -95,11 +108,14 @@ def predict_impl(q: Tensor, k: Tensor,
     opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, precision, block_q, block_k)
     qv, kv = torch_view(q), torch_view(k)
     s = core.check_qkv(qv, kv, None, layout)
-    with _DeviceGuard(q) as stream:
+
+    def call(stream: int) -> Tuple[Tensor, Tensor]:
         mask, kept, _ = core.predict(torch_allocator(), qv, kv, s, opts, stream,
-                                     _per_head(topk_t, topk_l), _per_head(cdf_t, cdf_l), _per_head(sim_t, sim_l),
-                                     want_kept=True)
-    return mask, kept
+                                     _per_head(topk_t, topk_l), _per_head(cdf_t, cdf_l),
+                                     _per_head(sim_t, sim_l), want_kept=True)
+        return mask, kept
+
+    return _on_device(q, call)
 
 
 def predict_fake(q: Tensor, k: Tensor,
@@ -129,4 +145,20 @@ else:  # torch < 2.4: plain eager calls (no torch.compile integration)
     attention_call = attention_impl
     predict_call = predict_impl
 
-__all__ = ["attention_call", "predict_call", "HAS_CUSTOM_OP", "C"]
+_len_modes = getattr(torch._C, "_len_torch_dispatch_mode", None)
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
+def eager_direct_ok(*tensors: Any) -> bool:
+    """True when calling the library directly is indistinguishable from the custom op: plain
+    tensors, not tracing or compiling, no dispatch mode (FakeTensor, functionalization) active."""
+    if _is_compiling is not None and _is_compiling():
+        return False
+    if _len_modes is not None and _len_modes():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not Tensor:
+            return False
+    return True
+
+__all__ = ["attention_call", "predict_call", "run_attention", "eager_direct_ok", "HAS_CUSTOM_OP", "C"]
