@@ -236,6 +236,7 @@ if want ncu; then
     rc1=0
     run_to "$LOG/ncu.log" "$(allow 150)" ncu --clock-control none -k "$KRE" --launch-skip 1 -c 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section MemoryWorkloadAnalysis \
       --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes dense --warmup 1 --min-iters 1 \
       --max-iters 1 || rc1=$?
     # Achieved throughput: the kernel's own work over its ncu-measured duration.
