@@ -65,3 +65,14 @@ def test_torch_per_head_values(rng):
                                 **{n: (x.numpy() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()})
         got = sparge.attention(tq, tk, tv, precision="exact", **kw)
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_direct_eager_path_equals_custom_op(rng, monkeypatch):
+    from sparge import _api
+
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=200, Lkv=260, D=16))
+    a = sparge.attention(q, k, v, topk=[0.3, 0.7], is_causal=True, precision="exact", return_lse=True)
+    monkeypatch.setattr(_api, "EAGER_DIRECT", False)
+    b = sparge.attention(q, k, v, topk=[0.3, 0.7], is_causal=True, precision="exact", return_lse=True)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
