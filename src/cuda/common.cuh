@@ -56,6 +56,33 @@ __device__ __forceinline__ void unpack8(const uint4& r, float (&f)[8]) {
   }
 }
 
+// ---------------------------------------------------------------- exact-ish float sums
+// Error-free transformation (TwoSum): s + e tracks the running sum with about
+// 48 significant bits at the cost of six float adds (cheaper than a float64
+// conversion plus add on sm_90).
+__device__ __forceinline__ void two_sum_acc(float& s, float& e, float x) {
+  const float t = __fadd_rn(s, x);
+  const float bp = __fsub_rn(t, s);
+  const float err = __fadd_rn(__fsub_rn(s, __fsub_rn(t, bp)), __fsub_rn(x, bp));
+  s = t;
+  e = __fadd_rn(e, err);
+}
+
+// int8 code of x with inverse scale inv, SEMANTICS order: clamp(rint(x * inv), -127, 127).
+// The product is rounded first (no contraction), clamped (same result as
+// clamping after rint, the bounds being integers), then rounded to an integer
+// with round-to-nearest-even by adding 1.5 * 2^23; the low byte of the sum's
+// bits is the two's-complement code.
+__device__ __forceinline__ uint32_t q8_word(float x, float inv) {
+  float v = __fmul_rn(x, inv);
+  v = fminf(fmaxf(v, -127.f), 127.f);
+  return __float_as_uint(__fadd_rn(v, 12582912.0f));
+}
+// Low bytes of four words -> one word (a in the lowest byte).
+__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
 // ---------------------------------------------------------------- reductions
 template <class T>
 __device__ __forceinline__ T warp_sum(T v) {

@@ -33,7 +33,7 @@ struct ColArgs {
 // One CTA per (b, hkv, chunk of kGpuColChunk keys): partial column sums of K
 // (float64) and column max|V|, reduced in a fixed order.
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads) col_partial_kernel(const ColArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs a) {
   constexpr int TPR = D / 8, RPI = kThreads / TPR, U = 4;
   const int64_t chunk = blockIdx.x % a.nchunk, bhk = blockIdx.x / a.nchunk;
   const int64_t b = bhk / a.Hkv, hk = bhk % a.Hkv;
@@ -43,10 +43,9 @@ __global__ void __launch_bounds__(kThreads) col_partial_kernel(const ColArgs a) 
   const T* kp = static_cast<const T*>(a.k.data);
   const T* vp = static_cast<const T*>(a.v.data);
 
-  double ks[8];
-  float vm[8];
+  float ks[8], ke[8], vm[8];  // K column sums as TwoSum pairs, V column max|.|
 #pragma unroll
-  for (int c = 0; c < 8; ++c) ks[c] = 0.0, vm[c] = 0.f;
+  for (int c = 0; c < 8; ++c) ks[c] = 0.f, ke[c] = 0.f, vm[c] = 0.f;
 
   for (int64_t r = r0 + lr; r < r1; r += int64_t(RPI) * U) {
     uint4 kr[U], vr[U];
@@ -66,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) col_partial_kernel(const ColArgs a) 
       if (a.do_k) {  // rows past r1 loaded as zeros: they add nothing
         unpack8<T>(kr[u], f);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) ks[c] += double(f[c]);
+        for (int c = 0; c < 8; ++c) two_sum_acc(ks[c], ke[c], f[c]);
       }
       if (a.do_v) {
         unpack8<T>(vr[u], f);
@@ -76,11 +75,14 @@ __global__ void __launch_bounds__(kThreads) col_partial_kernel(const ColArgs a) 
     }
   }
   // lanes with the same column group: xor over the row bits of the lane id
+  double kd[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) kd[c] = double(ks[c]) + double(ke[c]);
 #pragma unroll
   for (int o = TPR; o < 32; o <<= 1) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      ks[c] += __shfl_xor_sync(0xffffffffu, ks[c], o);
+      kd[c] += __shfl_xor_sync(0xffffffffu, kd[c], o);
       vm[c] = fmaxf(vm[c], __shfl_xor_sync(0xffffffffu, vm[c], o));
     }
   }
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) col_partial_kernel(const ColArgs a) 
   if (lane < TPR) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      sk[warp][cg * 8 + c] = ks[c];
+      sk[warp][cg * 8 + c] = kd[c];
       sv[warp][cg * 8 + c] = vm[c];
     }
   }
@@ -110,41 +112,72 @@ __global__ void __launch_bounds__(kThreads) col_partial_kernel(const ColArgs a) 
   }
 }
 
-// One CTA of D threads per (b, hkv): k_mean = float(sum / Lkv) (zeros without
-// smoothing), v_amax = max over the chunks.
-__global__ void col_finalize_kernel(const double* __restrict__ ksum, const float* __restrict__ vmax,
-                                    int64_t nchunk, int64_t Lkv, int D, bool do_k, bool do_v,
-                                    float* __restrict__ k_mean, float* __restrict__ v_amax) {
+// One CTA of 256 threads per (b, hkv): k_mean = float(sum / Lkv) (zeros
+// without smoothing), v_amax = max over the chunks. Thread t sums column
+// t % D over the chunks of its group t / D (loads batched), the groups are
+// then combined in a fixed order.
+constexpr int kFinThreads = 256;
+__global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double* __restrict__ ksum,
+                                                                   const float* __restrict__ vmax, int64_t nchunk,
+                                                                   int64_t Lkv, int D, bool do_k, bool do_v,
+                                                                   float* __restrict__ k_mean,
+                                                                   float* __restrict__ v_amax) {
+  __shared__ double ssum[kFinThreads];
+  __shared__ float smax[kFinThreads];
   const int64_t bhk = blockIdx.x;
-  const int c = threadIdx.x;
-  if (c >= D) return;
+  const int tid = threadIdx.x, c = tid % D, grp = tid / D, ngrp = kFinThreads / D;
+  const int64_t per = (nchunk + ngrp - 1) / ngrp;
+  const int64_t ch0 = min(nchunk, grp * per), ch1 = min(nchunk, ch0 + per);
+  const int64_t base = bhk * nchunk * D + c;
   double s = 0.0;
   float m = 0.f;
-  const int64_t base = bhk * nchunk * D + c;
-#pragma unroll 8
-  for (int64_t ch = 0; ch < nchunk; ++ch) {
-    if (do_k) s += ksum[base + ch * D];
-    if (do_v) m = fmaxf(m, vmax[base + ch * D]);
+  for (int64_t ch = ch0; ch < ch1; ch += 8) {
+    double kv[8];
+    float vv[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const bool in = ch + u < ch1;
+      kv[u] = (do_k && in) ? ksum[base + (ch + u) * D] : 0.0;
+      vv[u] = (do_v && in) ? vmax[base + (ch + u) * D] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      s += kv[u];
+      m = fmaxf(m, vv[u]);
+    }
   }
-  k_mean[bhk * D + c] = do_k ? float(s / double(Lkv)) : 0.f;
-  if (do_v) v_amax[bhk * D + c] = m;
+  ssum[tid] = s;
+  smax[tid] = m;
+  __syncthreads();
+  if (tid < D) {
+    for (int g = 1; g < ngrp; ++g) {
+      s += ssum[g * D + tid];
+      m = fmaxf(m, smax[g * D + tid]);
+    }
+    k_mean[bhk * D + tid] = do_k ? float(s / double(Lkv)) : 0.f;
+    if (do_v) v_amax[bhk * D + tid] = m;
+  }
 }
 
 // ---------------------------------------------------------------- pooled block statistics
-// Per-thread float64 column partials of a block (8 columns per thread) ->
-// pooled mean and self-similarity, written by the block. `red` is shared
-// scratch [2][NW][D] doubles plus 32 doubles.
+// Per-thread column partials of a block (8 columns per thread): sums as TwoSum
+// pairs (ps, pe), sums of normalized rows (us, float) -> pooled mean and
+// self-similarity, written by the block. `red` is shared scratch
+// [2][NW][D] doubles plus 32 doubles.
 template <int D, int TPR>
-__device__ __forceinline__ void block_pool_finish(double (&ps)[8], double (&us)[8], int n, double* red,
-                                                  float* pooled_out, float* sim_out) {
+__device__ __forceinline__ void block_pool_finish(const float (&ps)[8], const float (&pe)[8], const float (&us)[8],
+                                                  int n, double* red, float* pooled_out, float* sim_out) {
   constexpr int NW = kThreads / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, cg = tid % TPR;
+  double P[8], U[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) P[c] = double(ps[c]) + double(pe[c]), U[c] = double(us[c]);
 #pragma unroll
   for (int o = TPR; o < 32; o <<= 1) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      ps[c] += __shfl_xor_sync(0xffffffffu, ps[c], o);
-      us[c] += __shfl_xor_sync(0xffffffffu, us[c], o);
+      P[c] += __shfl_xor_sync(0xffffffffu, P[c], o);
+      U[c] += __shfl_xor_sync(0xffffffffu, U[c], o);
     }
   }
   double* rp = red;                // [NW][D]
@@ -153,19 +186,19 @@ __device__ __forceinline__ void block_pool_finish(double (&ps)[8], double (&us)[
   if (lane < TPR) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      rp[warp * D + cg * 8 + c] = ps[c];
-      ru[warp * D + cg * 8 + c] = us[c];
+      rp[warp * D + cg * 8 + c] = P[c];
+      ru[warp * D + cg * 8 + c] = U[c];
     }
   }
   __syncthreads();
   if (tid < D) {
-    double P = 0.0, Uc = 0.0;
+    double Pc = 0.0, Uc = 0.0;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      P += rp[w * D + tid];
+      Pc += rp[w * D + tid];
       Uc += ru[w * D + tid];
     }
-    pooled_out[tid] = float(P / double(n));
+    pooled_out[tid] = float(Pc / double(n));
     double u2 = warp_sum(Uc * Uc);
     if (lane == 0) rs[warp] = u2;
   }
@@ -179,34 +212,29 @@ __device__ __forceinline__ void block_pool_finish(double (&ps)[8], double (&us)[
 }
 
 // Accumulates one row (8 columns per thread, TPR threads per row) into the
-// pooled sums; returns the row's squared norm (float64, group-reduced).
+// pooled partials: column sums (TwoSum) and the row divided by its norm.
 template <int TPR>
-__device__ __forceinline__ void pool_row(const float (&x)[8], double (&ps)[8], double (&us)[8]) {
-  double n2 = 0.0;
+__device__ __forceinline__ void pool_row(const float (&x)[8], float (&ps)[8], float (&pe)[8], float (&us)[8]) {
+  float n2 = 0.f;
 #pragma unroll
-  for (int c = 0; c < 8; ++c) n2 += double(x[c]) * double(x[c]);
+  for (int c = 0; c < 8; ++c) n2 = fmaf(x[c], x[c], n2);
   n2 = group_sum<TPR>(n2);
 #pragma unroll
-  for (int c = 0; c < 8; ++c) ps[c] += double(x[c]);
-  if (n2 > 0.0) {
-    const double inv = 1.0 / sqrt(n2);
+  for (int c = 0; c < 8; ++c) two_sum_acc(ps[c], pe[c], x[c]);
+  if (n2 > 0.f) {
+    const float inv = 1.f / sqrtf(n2);
 #pragma unroll
-    for (int c = 0; c < 8; ++c) us[c] += double(x[c]) * inv;
+    for (int c = 0; c < 8; ++c) us[c] = fmaf(x[c], inv, us[c]);
   }
 }
 
-// int8 code of x with the inverse scale `inv` (SEMANTICS: clamp(rint(x * inv), -127, 127)).
-__device__ __forceinline__ uint32_t q8_byte(float x, float inv) {
-  int r = __float2int_rn(x * inv);
-  r = max(-127, min(127, r));
-  return uint32_t(r) & 0xffu;
-}
+// int8 codes of 8 values with the block/token max |x| = a (a == 0: zeros).
 __device__ __forceinline__ uint2 quant8(const float (&x)[8], float a) {
   uint2 o = make_uint2(0, 0);
   if (a > 0.f) {
     const float inv = 127.f / a;
-    o.x = q8_byte(x[0], inv) | (q8_byte(x[1], inv) << 8) | (q8_byte(x[2], inv) << 16) | (q8_byte(x[3], inv) << 24);
-    o.y = q8_byte(x[4], inv) | (q8_byte(x[5], inv) << 8) | (q8_byte(x[6], inv) << 16) | (q8_byte(x[7], inv) << 24);
+    o.x = pack_low_bytes(q8_word(x[0], inv), q8_word(x[1], inv), q8_word(x[2], inv), q8_word(x[3], inv));
+    o.y = pack_low_bytes(q8_word(x[4], inv), q8_word(x[5], inv), q8_word(x[6], inv), q8_word(x[7], inv));
   }
   return o;
 }
@@ -227,7 +255,7 @@ struct QArgs {
 
 // One CTA per (b, h, 128-row query block).
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads) q_pass_kernel(const QArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) q_pass_kernel(const QArgs a) {
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI, NW = kThreads / 32;
   __shared__ double red[2 * NW * D + 32];
   const int64_t qb = blockIdx.x % a.nQB, bh = blockIdx.x / a.nQB;
@@ -252,16 +280,16 @@ __global__ void __launch_bounds__(kThreads) q_pass_kernel(const QArgs a) {
     mu[4] = m1.x, mu[5] = m1.y, mu[6] = m1.z, mu[7] = m1.w;
   }
 
-  double ps[8], us[8];
+  float ps[8], pe[8], us[8];
 #pragma unroll
-  for (int c = 0; c < 8; ++c) ps[c] = 0.0, us[c] = 0.0;
+  for (int c = 0; c < 8; ++c) ps[c] = 0.f, pe[c] = 0.f, us[c] = 0.f;
   const int64_t lq_pad = a.nQB * kGpuBlockQ;
 #pragma unroll
   for (int it = 0; it < ITER; ++it) {
     const int64_t row = row0 + it * RPI + lr;
     float x[8];
     unpack8<T>(raw[it], x);  // rows past Lq are zeros
-    pool_row<TPR>(x, ps, us);
+    pool_row<TPR>(x, ps, pe, us);
     if (a.quant) {
       float am = 0.f;
       double dm = 0.0;  // q . mu in float64 (the LSE shift), as the CPU reference
@@ -282,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) q_pass_kernel(const QArgs a) {
   }
   const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
   const int64_t blk = bh * a.nQB + qb;
-  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
+  block_pool_finish<D, TPR>(ps, pe, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
 }
 
 // ---------------------------------------------------------------- K pass
@@ -299,7 +327,7 @@ struct KArgs {
 
 // One CTA per (b, hkv, 64-key block).
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads) k_pass_kernel(const KArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) k_pass_kernel(const KArgs a) {
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockK / RPI, NW = kThreads / 32;
   __shared__ double red[2 * NW * D + 32];
   __shared__ float fred[32];
@@ -326,10 +354,10 @@ __global__ void __launch_bounds__(kThreads) k_pass_kernel(const KArgs a) {
   }
 
   float x[ITER][8];
-  double ps[8], us[8];
+  float ps[8], pe[8], us[8];
   float am = 0.f;
 #pragma unroll
-  for (int c = 0; c < 8; ++c) ps[c] = 0.0, us[c] = 0.0;
+  for (int c = 0; c < 8; ++c) ps[c] = 0.f, pe[c] = 0.f, us[c] = 0.f;
 #pragma unroll
   for (int it = 0; it < ITER; ++it) {
     const int64_t row = row0 + it * RPI + lr;
@@ -340,7 +368,7 @@ __global__ void __launch_bounds__(kThreads) k_pass_kernel(const KArgs a) {
       x[it][c] = valid ? x[it][c] - mu[c] : 0.f;  // k' = k - mu (float32); pad rows stay zero
       am = fmaxf(am, fabsf(x[it][c]));
     }
-    pool_row<TPR>(x[it], ps, us);
+    pool_row<TPR>(x[it], ps, pe, us);
   }
   if (a.quant) {
     am = block_reduce(am, fred, OpMax{});
@@ -354,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) k_pass_kernel(const KArgs a) {
   }
   const int n = int(min(int64_t(kGpuBlockK), a.Lkv - row0));
   const int64_t blk = bhk * a.nKB + kb;
-  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
+  block_pool_finish<D, TPR>(ps, pe, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
 }
 
 // ---------------------------------------------------------------- V pass
@@ -489,7 +517,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     });
     SPARGE_LAUNCH_CHECK("sparge column statistics kernel");
   }
-  col_finalize_kernel<<<unsigned(bhk), unsigned(p.D), 0, stream>>>(ksum, vmax, nchunk, p.Lkv, int(p.D), do_k,
+  col_finalize_kernel<<<unsigned(bhk), kFinThreads, 0, stream>>>(ksum, vmax, nchunk, p.Lkv, int(p.D), do_k,
                                                                    do_v, k_mean, do_v ? v_amax : nullptr);
   SPARGE_LAUNCH_CHECK("sparge column statistics finalize kernel");
 

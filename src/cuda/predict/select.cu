@@ -14,12 +14,14 @@ namespace {
 
 // ---------------------------------------------------------------- pooled scores
 // scores[bh, qb, kb] = float(double(scale) * sum_c double(pq[c]) * double(pk[c]))
-// One CTA of 256 threads per (bh, 64 query blocks, 64 key blocks) tile; the
-// head dimension goes through shared memory in chunks of 32 (float64). Each
-// thread computes 4 query blocks x 4 key blocks.
+// (the products are exact in float64 and summed in ascending c with fma, the
+// CPU reference's order). One CTA of 128 threads per (bh, 64 query blocks,
+// 64 key blocks) tile; the head dimension goes through shared memory in
+// chunks of 32, stored transposed ([c][block]) so that the key-block reads of
+// a warp are consecutive. Each thread computes 8 query blocks x 4 key blocks.
 constexpr int kST = 64;   // tile edge (query blocks and key blocks)
 constexpr int kSDC = 32;  // head-dim chunk
-constexpr int kSThreads = 256;
+constexpr int kSThreads = 128;
 
 struct ScoreArgs {
   Problem prob;
@@ -32,8 +34,8 @@ struct ScoreArgs {
 };
 
 __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
-  __shared__ double sq[kST][kSDC + 1];
-  __shared__ double sk[kST][kSDC + 1];
+  __shared__ double sq[kSDC][kST];
+  __shared__ double sk[kSDC][kST];
   const Problem& p = a.prob;
   int64_t t = blockIdx.x;
   const int64_t tk = t % a.ntk;
@@ -50,39 +52,43 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
   const int D = int(p.D);
   const float* pq = a.pooled_q + (bh * p.nQB) * D;
   const float* pk = a.pooled_k + (bhk * p.nKB) * D;
-  const int tx = tid % 16, ty = tid / 16;  // key blocks tx + 16j, query blocks 4ty + i
-  double acc[4][4];
+  const int tx = tid % 16, ty = tid / 16;  // key blocks tx + 16j (j < 4), query blocks ty + 8i (i < 8)
+  double acc[8][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[i][j] = 0.0;
 
   for (int d0 = 0; d0 < D; d0 += kSDC) {
     __syncthreads();
-    for (int e = tid; e < kST * kSDC; e += kSThreads) {
-      const int r = e / kSDC, c = e % kSDC;
+    // 64 rows x 32 floats per operand: 8 consecutive threads read one row's 32 floats as float4
+    for (int e = tid; e < kST * (kSDC / 4); e += kSThreads) {
+      const int r = e / (kSDC / 4), c4 = (e % (kSDC / 4)) * 4;
       const int64_t qb = qb0 + r, kb = kb0 + r;
-      sq[r][c] = qb < p.nQB ? double(pq[qb * D + d0 + c]) : 0.0;
-      sk[r][c] = kb < p.nKB ? double(pk[kb * D + d0 + c]) : 0.0;
+      float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv;
+      if (qb < p.nQB) qv = *reinterpret_cast<const float4*>(pq + qb * D + d0 + c4);
+      if (kb < p.nKB) kv = *reinterpret_cast<const float4*>(pk + kb * D + d0 + c4);
+      sq[c4 + 0][r] = qv.x, sq[c4 + 1][r] = qv.y, sq[c4 + 2][r] = qv.z, sq[c4 + 3][r] = qv.w;
+      sk[c4 + 0][r] = kv.x, sk[c4 + 1][r] = kv.y, sk[c4 + 2][r] = kv.z, sk[c4 + 3][r] = kv.w;
     }
     __syncthreads();
-#pragma unroll 4
+#pragma unroll 2
     for (int c = 0; c < kSDC; ++c) {
-      double qv[4], kv[4];
+      double qv[8], kv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) qv[i] = sq[4 * ty + i][c];
+      for (int i = 0; i < 8; ++i) qv[i] = sq[c][ty + 8 * i];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) kv[j] = sk[tx + 16 * j][c];
+      for (int j = 0; j < 4; ++j) kv[j] = sk[c][tx + 16 * j];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = fma(qv[i], kv[j], acc[i][j]);
     }
   }
   const double scale = double(p.scale);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t qb = qb0 + 4 * ty + i;
+  for (int i = 0; i < 8; ++i) {
+    const int64_t qb = qb0 + ty + 8 * i;
     if (qb >= p.nQB) continue;
     float* row = a.scores + (bh * p.nQB + qb) * p.nKB;
 #pragma unroll
@@ -94,7 +100,21 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
 }
 
 // ---------------------------------------------------------------- selection
-constexpr int kSelThreads = 256;
+// Per row: probabilities P (float32, from a float64 softmax), then the
+// selection threshold by a bitwise search over the bit patterns of P
+// (non-negative floats order like their bit patterns):
+//  - top-k: weight 1 per block, target n = max(1, floor(topk * visible));
+//  - CDF: weight P in 2^-62 fixed point (exact and associative), target
+//    cdf_threshold in the same fixed point.
+// With W(t) = total weight of the blocks whose P bits are >= t, the search
+// builds t* = max { t : W(t) >= target } bit by bit from the most significant
+// one (W is monotone), one block-wide reduction per bit (deterministic, no
+// atomics, no contention on ties). t* is the P of the last selected block in
+// the ordering (P descending, lower index first). Blocks with P > t* are kept
+// and, of the blocks with P == t*, the lowest-index ones, as many as needed to
+// reach the target.
+constexpr int kSelThreads = 128;
+constexpr int kSelCache = 8;  // register-cached blocks per thread (V <= 1024 fully cached)
 
 struct SelectArgs {
   Problem prob;
@@ -105,74 +125,63 @@ struct SelectArgs {
   MaskView mask;
   int32_t* kept;
   int64_t kept_s0, kept_s1;
-  int64_t n2max;        // power of two >= nKB: sort capacity
 };
 
-__device__ __forceinline__ uint64_t sort_key(float prob, int64_t kb) {
-  // ascending order of the key = probability descending, then block index ascending
-  return (uint64_t(~__float_as_uint(prob)) << 32) | uint64_t(uint32_t(kb));
-}
-__device__ __forceinline__ float key_prob(uint64_t key) { return __uint_as_float(~uint32_t(key >> 32)); }
-
-// Bitonic sort (ascending) of n (power of two) keys in shared memory.
-__device__ void bitonic_sort(uint64_t* keys, int n) {
-  const int half = n >> 1;
-  for (int k = 2; k <= n; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int pidx = threadIdx.x; pidx < half; pidx += blockDim.x) {
-        const int i = 2 * pidx - (pidx & (j - 1));  // lower element of the pair, bit j clear
-        const int l = i + j;
-        const uint64_t x = keys[i], y = keys[l];
-        const bool up = (i & k) == 0;
-        if ((x > y) == up) {
-          keys[i] = y;
-          keys[l] = x;
-        }
-      }
-      __syncthreads();
-    }
-  }
+// P in units of 2^-62 (exact for P >= 2^-38; smaller P are truncated).
+__device__ __forceinline__ unsigned long long fixed62(uint32_t pbits) {
+  return __float2ull_rz(__uint_as_float(pbits) * 4611686018427387904.0f);
 }
 
-// Block-wide exclusive scan of one double per thread (fixed order).
-__device__ double block_exclusive_scan(double v, double* red /* >= 33 */) {
+// Block-wide sum of one u64 per thread; every thread gets the total. `red`
+// holds 2 x 32 slots (alternating buffers: one barrier per call).
+__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long* red,
+                                                            int& parity) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  double x = v;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  unsigned long long* r = red + 32 * parity;
+  parity ^= 1;
+  if (lane == 0) r[warp] = v;
+  __syncthreads();
+  unsigned long long s = 0;
+  for (int w = 0; w < nw; ++w) s += r[w];
+  return s;
+}
+
+// Block-wide exclusive scan of one int per thread (fixed order).
+__device__ __forceinline__ int block_exclusive_scan_int(int v, int* red /* >= 32 */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const double y = __shfl_up_sync(0xffffffffu, x, o);
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
     if (lane >= o) x += y;
   }
   __syncthreads();
   if (lane == 31) red[warp] = x;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    double run = 0.0;
-    for (int w = 0; w < nw; ++w) {
-      const double s = red[w];
-      red[w] = run;
-      run += s;
-    }
-  }
-  __syncthreads();
-  return red[warp] + x - v;
+  int base = 0;
+  for (int w = 0; w < warp; ++w) base += red[w];
+  return base + x - v;
 }
 
-// One CTA per (bh, qb) row. Dynamic shared memory: n2max keys (u64) + nKB flags.
+// One CTA per (bh, qb) row. Dynamic shared memory: nKB probability bit
+// patterns (u32) + nKB flags.
 __global__ void __launch_bounds__(kSelThreads) select_kernel(const SelectArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ double dred[40];
+  __shared__ unsigned long long u64red[64];
+  __shared__ double dred[32];
   __shared__ float fred[32];
   __shared__ int ired[32];
   const Problem& p = a.prob;
   const PredictConfig& cfg = a.cfg;
-  uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
-  uint8_t* sel = smem + a.n2max * sizeof(uint64_t);
+  const int64_t nKB = p.nKB;
+  uint32_t* pb = reinterpret_cast<uint32_t*>(smem);
+  uint8_t* sel = smem + nKB * sizeof(uint32_t);
 
   const int64_t qb = blockIdx.x % p.nQB, bh = blockIdx.x / p.nQB;
   const int64_t b = bh / p.Hq, h = bh % p.Hq, bhk = b * p.Hkv + h / (p.Hq / p.Hkv);
   const int tid = threadIdx.x, nt = blockDim.x;
-  const int64_t nKB = p.nKB;
   const int V = int(visible_key_blocks(p, qb));
   const float sim_thr = cfg.sim_per_head ? cfg.sim_per_head[h] : cfg.sim_threshold;
 
@@ -181,7 +190,6 @@ __global__ void __launch_bounds__(kSelThreads) select_kernel(const SelectArgs a)
 
   if (V > 0) {
     const bool force_row = a.sim_q[bh * p.nQB + qb] < sim_thr;
-    int64_t nsel = 0;  // selected prefix length of the sorted order (uniform)
     if (force_row) {
       for (int kb = tid; kb < V; kb += nt) sel[kb] = 1;
     } else {
@@ -193,47 +201,74 @@ __global__ void __launch_bounds__(kSelThreads) select_kernel(const SelectArgs a)
       double tot = 0.0;
       for (int kb = tid; kb < V; kb += nt) tot += exp(double(srow[kb]) - double(mx));
       tot = block_reduce(tot, dred, OpSum{});
-      int n2 = 1;
-      while (n2 < V) n2 <<= 1;
-      for (int i = tid; i < n2; i += nt) {
-        uint64_t key = ~uint64_t(0);  // padding sorts last
-        if (i < V) key = sort_key(float(exp(double(srow[i]) - double(mx)) / tot), i);
-        keys[i] = key;
-      }
-      __syncthreads();
-      bitonic_sort(keys, n2);
+      for (int kb = tid; kb < V; kb += nt)
+        pb[kb] = __float_as_uint(float(exp(double(srow[kb]) - double(mx)) / tot));
 
-      if (cfg.mode == SPARGE_SELECT_TOPK) {
-        const float topk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
-        nsel = topk_count(topk, V);
-      } else {
+      const bool cdf_mode = cfg.mode != SPARGE_SELECT_TOPK;
+      unsigned long long target;
+      if (cdf_mode) {
         const float cdf = cfg.cdf_per_head ? cfg.cdf_per_head[h] : cfg.cdf_threshold;
-        // first sorted position whose inclusive prefix sum reaches cdf
+        target = fixed62(__float_as_uint(cdf));
+      } else {
+        const float topk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
+        target = (unsigned long long)topk_count(topk, V);
+      }
+      __syncthreads();  // pb complete
+      // Blocks tid + i*nt: bit patterns and weights cached in registers for the
+      // search (the first kSelCache per thread; the rest, if any, from shared memory).
+      const int nloc = (V + nt - 1) / nt;
+      uint32_t uc[kSelCache];
+      unsigned long long wc[kSelCache];
+#pragma unroll
+      for (int i = 0; i < kSelCache; ++i) {
+        const int kb = tid + i * nt;
+        const bool valid = i < nloc && kb < V;
+        uc[i] = valid ? pb[kb] : 0u;
+        wc[i] = valid ? (cdf_mode ? fixed62(uc[i]) : 1ull) : 0ull;
+      }
+      int parity = 0;
+      auto weight_ge = [&](uint32_t t) {
+        unsigned long long w = 0;
+#pragma unroll
+        for (int i = 0; i < kSelCache; ++i)
+          if (i < nloc && uc[i] >= t) w += wc[i];
+        for (int kb = tid + kSelCache * nt; kb < V; kb += nt) {
+          const uint32_t u = pb[kb];
+          if (u >= t) w += cdf_mode ? fixed62(u) : 1ull;
+        }
+        return block_sum_u64(w, u64red, parity);
+      };
+      if (target == 0 || weight_ge(0) < target) {  // CDF never reached (rounding): keep all visible
+        for (int kb = tid; kb < V; kb += nt) sel[kb] = 1;
+      } else {
+        uint32_t tstar = 0;
+        for (int bit = 30; bit >= 0; --bit) {  // P <= 1: bits 31 and 30 of t* are 0 (bit 30 tested anyway)
+          const uint32_t cand = tstar | (1u << bit);
+          if (weight_ge(cand) >= target) tstar = cand;
+        }
+        const unsigned long long above = weight_ge(tstar + 1);
+        const unsigned long long rem = target - above;
+        unsigned long long need = rem;  // ties (P == t*) to take, in index order
+        if (cdf_mode) {
+          const unsigned long long w = fixed62(tstar);
+          need = w ? (rem + w - 1) / w : 1;
+        }
+        // ties ranked in index order: thread t owns the contiguous blocks [s0, s1)
         const int seg = (V + nt - 1) / nt;
         const int s0 = min(V, tid * seg), s1 = min(V, s0 + seg);
-        double local = 0.0;
-        for (int i = s0; i < s1; ++i) local += double(key_prob(keys[i]));
-        double run = block_exclusive_scan(local, dred);
-        int first = V;  // none reached: keep all
-        for (int i = s0; i < s1; ++i) {
-          run += double(key_prob(keys[i]));
-          if (run >= double(cdf)) {
-            first = i;
-            break;
+        int ties = 0;
+        for (int kb = s0; kb < s1; ++kb) ties += pb[kb] == tstar;
+        int rank = block_exclusive_scan_int(ties, ired);
+        for (int kb = s0; kb < s1; ++kb) {
+          const uint32_t u = pb[kb];
+          if (u > tstar) {
+            sel[kb] = 1;
+          } else if (u == tstar) {
+            if ((unsigned long long)rank < need) sel[kb] = 1;
+            ++rank;
           }
         }
-        // min over threads
-        int m = first;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = min(m, __shfl_xor_sync(0xffffffffu, m, o));
-        __syncthreads();
-        if ((tid & 31) == 0) ired[tid >> 5] = m;
-        __syncthreads();
-        m = ired[0];
-        for (int w = 1; w < (nt >> 5); ++w) m = min(m, ired[w]);
-        nsel = m >= V ? V : m + 1;
       }
-      for (int64_t i = tid; i < nsel; i += nt) sel[uint32_t(keys[i])] = 1;
     }
     __syncthreads();
     // forced blocks: non-compressible key blocks, attention sink
@@ -295,10 +330,7 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   se.sim_k = ws_ptr<float>(base, L.sim_k);
   se.mask = mask;
   se.kept = kept_ptr, se.kept_s0 = ks0, se.kept_s1 = ks1;
-  int64_t n2 = 1;
-  while (n2 < p.nKB) n2 <<= 1;
-  se.n2max = n2;
-  const size_t smem = size_t(n2) * sizeof(uint64_t) + size_t((p.nKB + 15) / 16 * 16);
+  const size_t smem = size_t(p.nKB) * (sizeof(uint32_t) + 1);
   if (smem > 48 * 1024)
     SPARGE_CUDA_TRY(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   select_kernel<<<unsigned(bhq * p.nQB), kSelThreads, smem, stream>>>(se);
