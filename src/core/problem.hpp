@@ -103,7 +103,9 @@ SPARGE_HD int64_t visible_key_blocks(const Problem& p, int64_t qb) {
 // Blocks kept by top-k among `visible` candidates.
 SPARGE_HD int64_t topk_count(float topk, int64_t visible) {
   if (visible <= 0) return 0;
-  int64_t n = static_cast<int64_t>(static_cast<double>(topk) * static_cast<double>(visible));
+  // topk arrives as a float (0.7f is 0.69999999): without the small tolerance
+  // floor(0.7f * 10) would keep 6 blocks where every user expects 7.
+  int64_t n = static_cast<int64_t>(static_cast<double>(topk) * static_cast<double>(visible) + 1e-4);
   if (n < 1) n = 1;
   if (n > visible) n = visible;
   return n;

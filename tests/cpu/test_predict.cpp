@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "test_util.hpp"
+#include "core/problem.hpp"
 
 using namespace sparge_test;
 
@@ -100,7 +101,7 @@ std::vector<int64_t> kept_blocks(const Pred& p, int64_t b, int64_t h, int64_t qb
 
 int64_t topk_n(float topk, int64_t vis) {
   if (vis == 0) return 0;
-  return std::min(vis, std::max<int64_t>(1, int64_t(double(topk) * double(vis))));
+  return std::min(vis, std::max<int64_t>(1, int64_t(double(topk) * double(vis) + 1e-4)));
 }
 
 void check_masks_binary_and_kept(const Pred& p) {
@@ -364,4 +365,14 @@ TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved",
   CHECK(got.scale == Approx(0.125f));
   CHECK(got.len_kv == 700);
   CHECK(got.struct_size == sizeof(sparge_problem_t));
+}
+
+TEST_CASE("top-k with a decimal fraction keeps the expected count (0.7 of 10 blocks is 7)", "[cpu][predict]") {
+  CHECK(sparge::topk_count(0.7f, 10) == 7);
+  CHECK(sparge::topk_count(0.9f, 10) == 9);
+  CHECK(sparge::topk_count(0.3f, 10) == 3);
+  CHECK(sparge::topk_count(0.5f, 3) == 1);
+  CHECK(sparge::topk_count(0.01f, 10) == 1);
+  CHECK(sparge::topk_count(1.0f, 10) == 10);
+  CHECK(sparge::topk_count(0.5f, 0) == 0);
 }

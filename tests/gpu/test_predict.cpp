@@ -60,7 +60,7 @@ std::vector<ParamSet> param_sets() {
 
 int64_t topk_n(double topk, int64_t visible) {
   if (visible <= 0) return 0;
-  int64_t n = static_cast<int64_t>(static_cast<double>(static_cast<float>(topk)) * static_cast<double>(visible));
+  int64_t n = static_cast<int64_t>(static_cast<double>(static_cast<float>(topk)) * static_cast<double>(visible) + 1e-4);
   return std::min(std::max<int64_t>(n, 1), visible);
 }
 

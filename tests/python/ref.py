@@ -124,7 +124,7 @@ def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_
                 order = sorted(range(nv), key=lambda j: (-p[j], j))
                 if mode == "topk":
                     # topk crosses the ABI as a float32 (0.9 arrives as 0.89999998)
-                    n = max(1, min(nv, int(math.floor(float(np.float32(per_head(topk, h))) * nv))))
+                    n = max(1, min(nv, int(math.floor(float(np.float32(per_head(topk, h))) * nv + 1e-4))))
                     if n < nv:
                         margin[b, h, qb] = p[order[n - 1]] - p[order[n]]
                 else:

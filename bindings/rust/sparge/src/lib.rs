@@ -230,7 +230,7 @@ impl Precision {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SelectMode {
-    /// Keep `max(1, floor(topk * visible))` blocks per row.
+    /// Keep `max(1, floor(topk * visible + 1e-4))` blocks per row.
     TopK,
     /// Keep the smallest set of blocks whose probability reaches `cdf_threshold`.
     Cdf,
