@@ -152,11 +152,16 @@ struct Consumer {
   // Online softmax of the scores in `acc` (key block kb): updates m, l; returns
   // the rescale factors of the previous accumulator and P as e4m3 A fragments.
   __device__ __forceinline__ void softmax(int kb, uint32_t (&pa)[2][4], float& alpha0, float& alpha1) {
+    // Instruction budget per score (the consumer warps are issue-bound):
+    // IADD (int->float bits), IMNMX (row max on the integers), FFMA (scale,
+    // shift and the x448 fp8 scale folded into one), MUFU.EX2, FADD (row sum)
+    // and half an F2FP. Since f > 0, max_j float(x_j)*f == float(max_j x_j)*f
+    // exactly, so the running max equals the reference's bit for bit; the
+    // exponent argument differs from (float(x)*f - m) by one rounding of the
+    // folded constant (~0.5 units of the integer dot product).
     const float ks = p.k_scale[int64_t(bhkv) * p.nKB + kb];
     const float f0 = qs0 * ks, f1 = qs1 * ks;
-    float sc[32];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) sc[j] = small_int_to_float(acc[j]) * ((j & 2) ? f1 : f0);
+    constexpr int32_t kMasked = INT32_MIN;
     const int key0 = kb * kBK;
     const bool need_mask = (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
     if (need_mask) {
@@ -166,19 +171,21 @@ struct Consumer {
         const int row = (j & 2) ? row1 : row0;
         bool ok = key < p.Lkv;
         if (kCausal) ok = ok && (key <= row + diag);
-        if (!ok) sc[j] = -INFINITY;
+        if (!ok) acc[j] = kMasked;
       }
     }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    int32_t im0 = kMasked, im1 = kMasked;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      if (j & 2) mx1 = fmaxf(mx1, sc[j]);
-      else mx0 = fmaxf(mx0, sc[j]);
+      if (j & 2) im1 = max(im1, acc[j]);
+      else im0 = max(im0, acc[j]);
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 1));
+    im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
+    im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));
+    im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 2));
+    const float mx0 = (im0 == kMasked) ? -INFINITY : small_int_to_float(im0) * f0;
+    const float mx1 = (im1 == kMasked) ? -INFINITY : small_int_to_float(im1) * f1;
     const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
     const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
     const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
@@ -186,14 +193,22 @@ struct Consumer {
     alpha1 = fast_exp2(m1 - mu1);
     m0 = mn0;
     m1 = mn1;
+    // exponent = float(x)*f - mu + log2(448) = bits(x + magic)*f + c
+    constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
+    const float c0 = fmaf(-kIntToFloatMagic, f0, kLog2Fp8Max - mu0);
+    const float c1 = fmaf(-kIntToFloatMagic, f1, kLog2Fp8Max - mu1);
+    float sc[32];
     float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      const float pj = fast_exp2(sc[j] - ((j & 2) ? mu1 : mu0));
-      sc[j] = pj * kFp8Max;
+      const float y = __int_as_float(acc[j] + kIntToFloatMagicBits);
+      float pj = fast_exp2(fmaf(y, (j & 2) ? f1 : f0, (j & 2) ? c1 : c0));  // p * 448
+      if (need_mask && acc[j] == kMasked) pj = 0.f;
+      sc[j] = pj;
       if (j & 2) rs1 += pj;
       else rs0 += pj;
     }
+    // Row sums are kept in units of 448 (undone in the epilogue).
     l0 = l0 * alpha0 + rs0;
     l1 = l1 * alpha1 + rs1;
     // k-step ks of P.V covers tile columns [32ks, 32ks+32): accumulator chunks
@@ -224,7 +239,7 @@ struct Consumer {
     const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
     const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
     const float* vamax = p.v_amax + int64_t(bhkv) * D;
-    constexpr float kDequantPV = 1.f / (kFp8Max * kFp8Max);
+    constexpr float kDequantPV = 1.f / kFp8Max;  // l carries the other 1/448
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = half ? row1 : row0;
@@ -247,7 +262,7 @@ struct Consumer {
         const float l = half ? l1 : l0;
         const float m = half ? m1 : m0;
         const float mu = p.q_mu[int64_t(bh) * lq_pad + row];
-        const float v = (l > 0.f) ? (m * 0.69314718055994531f + logf(l) + mu) : -INFINITY;
+        const float v = (l > 0.f) ? (m * 0.69314718055994531f + (logf(l) - 6.1047932324149f) + mu) : -INFINITY;  // ln 448
         p.lse[int64_t(b) * p.lse_stride[0] + int64_t(h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] = v;
       }
     }

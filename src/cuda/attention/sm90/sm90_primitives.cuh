@@ -128,8 +128,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // Exact int32 -> float for |x| < 2^22 with two full-rate ALU ops instead of a
 // quarter-rate I2F: x + 1.5*2^23 (as integer bits) is the float 1.5*2^23 + x.
 // An int8 dot product over D <= 256 is at most 127*127*256 < 2^22.
+constexpr int32_t kIntToFloatMagicBits = 0x4B400000;
+constexpr float kIntToFloatMagic = 12582912.0f;
 __device__ __forceinline__ float small_int_to_float(int32_t x) {
-  return __int_as_float(x + 0x4B400000) - 12582912.0f;
+  return __int_as_float(x + kIntToFloatMagicBits) - kIntToFloatMagic;
 }
 
 // ---------------------------------------------------------------- fp8
