@@ -153,12 +153,10 @@ struct Consumer {
   // the rescale factors of the previous accumulator and P as e4m3 A fragments.
   __device__ __forceinline__ void softmax(int kb, uint32_t (&pa)[2][4], float& alpha0, float& alpha1) {
     // Instruction budget per score (the consumer warps are issue-bound):
-    // IADD (int->float bits), IMNMX (row max on the integers), FFMA (scale,
-    // shift and the x448 fp8 scale folded into one), MUFU.EX2, FADD (row sum)
+    // IADD + FADD (exact int->float), IMNMX (row max on the integers), FFMA
+    // (scale, shift and the x448 fp8 scale in one), MUFU.EX2, FADD (row sum)
     // and half an F2FP. Since f > 0, max_j float(x_j)*f == float(max_j x_j)*f
-    // exactly, so the running max equals the reference's bit for bit; the
-    // exponent argument differs from (float(x)*f - m) by one rounding of the
-    // folded constant (~0.5 units of the integer dot product).
+    // exactly, so the running max equals the reference's bit for bit.
     const float ks = p.k_scale[int64_t(bhkv) * p.nKB + kb];
     const float f0 = qs0 * ks, f1 = qs1 * ks;
     constexpr int32_t kMasked = INT32_MIN;
@@ -193,16 +191,18 @@ struct Consumer {
     alpha1 = fast_exp2(m1 - mu1);
     m0 = mn0;
     m1 = mn1;
-    // exponent = float(x)*f - mu + log2(448) = bits(x + magic)*f + c
+    // exponent = float(x)*f - mu + log2(448), one FFMA after the exact
+    // int->float. (Folding the conversion's magic constant into the FFMA too
+    // would round a constant of size 1.26e7*f, an error that grows with the
+    // score scale: measurable on inputs with outlier channels.)
     constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
-    const float c0 = fmaf(-kIntToFloatMagic, f0, kLog2Fp8Max - mu0);
-    const float c1 = fmaf(-kIntToFloatMagic, f1, kLog2Fp8Max - mu1);
+    const float c0 = kLog2Fp8Max - mu0;
+    const float c1 = kLog2Fp8Max - mu1;
     float sc[32];
     float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      const float y = __int_as_float(acc[j] + kIntToFloatMagicBits);
-      float pj = fast_exp2(fmaf(y, (j & 2) ? f1 : f0, (j & 2) ? c1 : c0));  // p * 448
+      float pj = fast_exp2(fmaf(small_int_to_float(acc[j]), (j & 2) ? f1 : f0, (j & 2) ? c1 : c0));  // p * 448
       if (need_mask && acc[j] == kMasked) pj = 0.f;
       sc[j] = pj;
       if (j & 2) rs1 += pj;
