@@ -35,8 +35,8 @@ struct ColArgs {
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs a) {
   constexpr int TPR = D / 8, RPI = kThreads / TPR, U = 4;
-  const int64_t chunk = blockIdx.x % a.nchunk, bhk = blockIdx.x / a.nchunk;
-  const int64_t b = bhk / a.Hkv, hk = bhk % a.Hkv;
+  const uint32_t chunk = blockIdx.x % uint32_t(a.nchunk), bhk = blockIdx.x / uint32_t(a.nchunk);
+  const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
   const int64_t r0 = chunk * kGpuColChunk;
   const int64_t r1 = min(a.Lkv, r0 + int64_t(kGpuColChunk));
@@ -160,71 +160,67 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
 }
 
 // ---------------------------------------------------------------- pooled block statistics
-// Per-thread column partials of a block (8 columns per thread): sums as TwoSum
-// pairs (ps, pe), sums of normalized rows (us, float) -> pooled mean and
+// Per-thread float column partials of a block (8 columns per thread): sums
+// (ps) and sums of the rows divided by their norms (us) -> pooled mean and
 // self-similarity, written by the block. `red` is shared scratch
-// [2][NW][D] doubles plus 32 doubles.
+// [2][NW][D] floats plus 32 floats.
 template <int D, int TPR>
-__device__ __forceinline__ void block_pool_finish(const float (&ps)[8], const float (&pe)[8], const float (&us)[8],
-                                                  int n, double* red, float* pooled_out, float* sim_out) {
+__device__ __forceinline__ void block_pool_finish(float (&ps)[8], float (&us)[8], int n, float* red,
+                                                  float* pooled_out, float* sim_out) {
   constexpr int NW = kThreads / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, cg = tid % TPR;
-  double P[8], U[8];
-#pragma unroll
-  for (int c = 0; c < 8; ++c) P[c] = double(ps[c]) + double(pe[c]), U[c] = double(us[c]);
 #pragma unroll
   for (int o = TPR; o < 32; o <<= 1) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      P[c] += __shfl_xor_sync(0xffffffffu, P[c], o);
-      U[c] += __shfl_xor_sync(0xffffffffu, U[c], o);
+      ps[c] += __shfl_xor_sync(0xffffffffu, ps[c], o);
+      us[c] += __shfl_xor_sync(0xffffffffu, us[c], o);
     }
   }
-  double* rp = red;                // [NW][D]
-  double* ru = red + NW * D;       // [NW][D]
-  double* rs = red + 2 * NW * D;   // [32]
+  float* rp = red;               // [NW][D]
+  float* ru = red + NW * D;      // [NW][D]
+  float* rs = red + 2 * NW * D;  // [32]
   if (lane < TPR) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      rp[warp * D + cg * 8 + c] = P[c];
-      ru[warp * D + cg * 8 + c] = U[c];
+      rp[warp * D + cg * 8 + c] = ps[c];
+      ru[warp * D + cg * 8 + c] = us[c];
     }
   }
   __syncthreads();
   if (tid < D) {
-    double Pc = 0.0, Uc = 0.0;
+    float Pc = 0.f, Uc = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
       Pc += rp[w * D + tid];
       Uc += ru[w * D + tid];
     }
-    pooled_out[tid] = float(Pc / double(n));
-    double u2 = warp_sum(Uc * Uc);
+    pooled_out[tid] = Pc / float(n);
+    const float u2 = warp_sum(Uc * Uc);
     if (lane == 0) rs[warp] = u2;
   }
   __syncthreads();
   if (tid == 0) {
-    double u2 = 0.0;
+    float u2 = 0.f;
 #pragma unroll
     for (int w = 0; w < D / 32; ++w) u2 += rs[w];
-    *sim_out = float(u2 / (double(n) * double(n)));
+    *sim_out = u2 / (float(n) * float(n));
   }
 }
 
 // Accumulates one row (8 columns per thread, TPR threads per row) into the
-// pooled partials: column sums (TwoSum) and the row divided by its norm.
+// pooled partials: column sums and the row divided by its norm.
 template <int TPR>
-__device__ __forceinline__ void pool_row(const float (&x)[8], float (&ps)[8], float (&pe)[8], float (&us)[8]) {
+__device__ __forceinline__ void pool_row(const float (&x)[8], float (&ps)[8], float (&us)[8]) {
   float n2 = 0.f;
 #pragma unroll
   for (int c = 0; c < 8; ++c) n2 = fmaf(x[c], x[c], n2);
   n2 = group_sum<TPR>(n2);
+  const float inv = n2 > 0.f ? rsqrtf(n2) : 0.f;
 #pragma unroll
-  for (int c = 0; c < 8; ++c) two_sum_acc(ps[c], pe[c], x[c]);
-  if (n2 > 0.f) {
-    const float inv = 1.f / sqrtf(n2);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) us[c] = fmaf(x[c], inv, us[c]);
+  for (int c = 0; c < 8; ++c) {
+    ps[c] += x[c];
+    us[c] = fmaf(x[c], inv, us[c]);
   }
 }
 
@@ -255,11 +251,11 @@ struct QArgs {
 
 // One CTA per (b, h, 128-row query block).
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads, 2) q_pass_kernel(const QArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI, NW = kThreads / 32;
-  __shared__ double red[2 * NW * D + 32];
-  const int64_t qb = blockIdx.x % a.nQB, bh = blockIdx.x / a.nQB;
-  const int64_t b = bh / a.Hq, h = bh % a.Hq, bhk = b * a.Hkv + h / a.group;
+  __shared__ float red[2 * NW * D + 32];
+  const uint32_t qb = blockIdx.x % uint32_t(a.nQB), bh = blockIdx.x / uint32_t(a.nQB);
+  const uint32_t b = bh / uint32_t(a.Hq), h = bh % uint32_t(a.Hq), bhk = b * uint32_t(a.Hkv) + h / uint32_t(a.group);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
   const int64_t row0 = qb * kGpuBlockQ;
   const T* qp = static_cast<const T*>(a.q.data);
@@ -280,16 +276,16 @@ __global__ void __launch_bounds__(kThreads, 2) q_pass_kernel(const QArgs a) {
     mu[4] = m1.x, mu[5] = m1.y, mu[6] = m1.z, mu[7] = m1.w;
   }
 
-  float ps[8], pe[8], us[8];
+  float ps[8], us[8];
 #pragma unroll
-  for (int c = 0; c < 8; ++c) ps[c] = 0.f, pe[c] = 0.f, us[c] = 0.f;
+  for (int c = 0; c < 8; ++c) ps[c] = 0.f, us[c] = 0.f;
   const int64_t lq_pad = a.nQB * kGpuBlockQ;
 #pragma unroll
   for (int it = 0; it < ITER; ++it) {
     const int64_t row = row0 + it * RPI + lr;
     float x[8];
     unpack8<T>(raw[it], x);  // rows past Lq are zeros
-    pool_row<TPR>(x, ps, pe, us);
+    pool_row<TPR>(x, ps, us);
     if (a.quant) {
       float am = 0.f;
       double dm = 0.0;  // q . mu in float64 (the LSE shift), as the CPU reference
@@ -310,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2) q_pass_kernel(const QArgs a) {
   }
   const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
   const int64_t blk = bh * a.nQB + qb;
-  block_pool_finish<D, TPR>(ps, pe, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
+  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
 }
 
 // ---------------------------------------------------------------- K pass
@@ -327,12 +323,12 @@ struct KArgs {
 
 // One CTA per (b, hkv, 64-key block).
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads, 3) k_pass_kernel(const KArgs a) {
+__global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockK / RPI, NW = kThreads / 32;
-  __shared__ double red[2 * NW * D + 32];
+  __shared__ float red[2 * NW * D + 32];
   __shared__ float fred[32];
-  const int64_t kb = blockIdx.x % a.nKB, bhk = blockIdx.x / a.nKB;
-  const int64_t b = bhk / a.Hkv, hk = bhk % a.Hkv;
+  const uint32_t kb = blockIdx.x % uint32_t(a.nKB), bhk = blockIdx.x / uint32_t(a.nKB);
+  const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
   const int64_t row0 = kb * kGpuBlockK;
   const T* kp = static_cast<const T*>(a.k.data);
@@ -368,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 3) k_pass_kernel(const KArgs a) {
       x[it][c] = valid ? x[it][c] - mu[c] : 0.f;  // k' = k - mu (float32); pad rows stay zero
       am = fmaxf(am, fabsf(x[it][c]));
     }
-    pool_row<TPR>(x[it], ps, pe, us);
+    pool_row<TPR>(x[it], ps, us);
   }
   if (a.quant) {
     am = block_reduce(am, fred, OpMax{});
@@ -382,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, 3) k_pass_kernel(const KArgs a) {
   }
   const int n = int(min(int64_t(kGpuBlockK), a.Lkv - row0));
   const int64_t blk = bhk * a.nKB + kb;
-  block_pool_finish<D, TPR>(ps, pe, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
+  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
 }
 
 // ---------------------------------------------------------------- V pass
@@ -404,8 +400,8 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 // row of the tile is a contiguous 128-byte store of the warp.
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
-  const int64_t tile = blockIdx.x % a.ntile, bhk = blockIdx.x / a.ntile;
-  const int64_t b = bhk / a.Hkv, hk = bhk % a.Hkv;
+  const uint32_t tile = blockIdx.x % uint32_t(a.ntile), bhk = blockIdx.x / uint32_t(a.ntile);
+  const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = warp * 8;
   const int64_t s0 = tile * 128 + lane * 4;  // first slot of this lane
   if (s0 >= a.lk_pad) return;

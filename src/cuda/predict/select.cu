@@ -1,6 +1,5 @@
-// Block selection: pooled scores (float64 dot products of the float32 pooled
-// vectors, rounded to float32 as the CPU reference does), per-row softmax
-// (float64), top-k / CDF selection with the exact tie rule (probability
+// Block selection: pooled scores (float32 dot products of the float32 pooled
+// vectors), per-row softmax (float64), top-k / CDF selection with the exact tie rule (probability
 // descending, lower block index first), forced blocks, the uint8 mask and the
 // kept counts. Pipeline and costs: docs/PREDICTION.md.
 #include "core/error.hpp"
@@ -13,12 +12,12 @@ namespace cuda {
 namespace {
 
 // ---------------------------------------------------------------- pooled scores
-// scores[bh, qb, kb] = float(double(scale) * sum_c double(pq[c]) * double(pk[c]))
-// (the products are exact in float64 and summed in ascending c with fma, the
-// CPU reference's order). One CTA of 128 threads per (bh, 64 query blocks,
-// 64 key blocks) tile; the head dimension goes through shared memory in
-// chunks of 32, stored transposed ([c][block]) so that the key-block reads of
-// a warp are consecutive. Each thread computes 8 query blocks x 4 key blocks.
+// scores[bh, qb, kb] = scale * (pq . pk) in float32 (the pooled vectors are
+// float32 means; their dot product's rounding is of the same order as theirs).
+// One CTA of 128 threads per (bh, 64 query blocks, 64 key blocks) tile; the
+// head dimension goes through shared memory in chunks of 32, stored transposed
+// ([c][block]). Thread (tx, ty) computes query blocks 8ty..8ty+7 x key blocks
+// 4tx..4tx+3: three 16-byte shared loads per 32 FMAs.
 constexpr int kST = 64;   // tile edge (query blocks and key blocks)
 constexpr int kSDC = 32;  // head-dim chunk
 constexpr int kSThreads = 128;
@@ -34,36 +33,38 @@ struct ScoreArgs {
 };
 
 __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
-  __shared__ double sq[kSDC][kST];
-  __shared__ double sk[kSDC][kST];
+  __shared__ __align__(16) float sq[kSDC][kST];
+  __shared__ __align__(16) float sk[kSDC][kST];
   const Problem& p = a.prob;
-  int64_t t = blockIdx.x;
-  const int64_t tk = t % a.ntk;
-  t /= a.ntk;
-  const int64_t tq = t % a.ntq, bh = t / a.ntq;
-  const int64_t b = bh / p.Hq, h = bh % p.Hq, bhk = b * p.Hkv + h / (p.Hq / p.Hkv);
+  const uint32_t ntk = uint32_t(a.ntk), ntq = uint32_t(a.ntq);
+  const uint32_t tk = blockIdx.x % ntk, t2 = blockIdx.x / ntk;
+  const uint32_t tq = t2 % ntq, bh = t2 / ntq;
+  const uint32_t Hq = uint32_t(p.Hq), Hkv = uint32_t(p.Hkv);
+  const uint32_t b = bh / Hq, h = bh % Hq, bhk = b * Hkv + h / (Hq / Hkv);
   const int tid = threadIdx.x;
   if (tq == 0 && tk == 0 && tid == 0) a.kept[b * a.kept_s0 + h * a.kept_s1] = 0;
 
-  const int64_t qb0 = tq * kST, kb0 = tk * kST;
+  const int64_t qb0 = int64_t(tq) * kST, kb0 = int64_t(tk) * kST;
   const int64_t qb_last = min(p.nQB, qb0 + kST) - 1;
   if (kb0 >= visible_key_blocks(p, qb_last)) return;  // nothing visible in this tile (uniform)
 
   const int D = int(p.D);
-  const float* pq = a.pooled_q + (bh * p.nQB) * D;
-  const float* pk = a.pooled_k + (bhk * p.nKB) * D;
-  const int tx = tid % 16, ty = tid / 16;  // key blocks tx + 16j (j < 4), query blocks ty + 8i (i < 8)
-  double acc[8][4];
+  const float* pq = a.pooled_q + (int64_t(bh) * p.nQB) * D;
+  const float* pk = a.pooled_k + (int64_t(bhk) * p.nKB) * D;
+  const int tx = tid % 16, ty = tid / 16;
+  float acc[8][4];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0;
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
 
   for (int d0 = 0; d0 < D; d0 += kSDC) {
     __syncthreads();
-    // 64 rows x 32 floats per operand: 8 consecutive threads read one row's 32 floats as float4
-    for (int e = tid; e < kST * (kSDC / 4); e += kSThreads) {
-      const int r = e / (kSDC / 4), c4 = (e % (kSDC / 4)) * 4;
+    // consecutive threads take consecutive rows (conflict-free transposed stores)
+#pragma unroll
+    for (int it = 0; it < (kST * kSDC / 4) / kSThreads; ++it) {
+      const int e = tid + it * kSThreads;
+      const int r = e % kST, c4 = (e / kST) * 4;
       const int64_t qb = qb0 + r, kb = kb0 + r;
       float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv;
       if (qb < p.nQB) qv = *reinterpret_cast<const float4*>(pq + qb * D + d0 + c4);
@@ -72,49 +73,49 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
       sk[c4 + 0][r] = kv.x, sk[c4 + 1][r] = kv.y, sk[c4 + 2][r] = kv.z, sk[c4 + 3][r] = kv.w;
     }
     __syncthreads();
-#pragma unroll 2
+#pragma unroll 4
     for (int c = 0; c < kSDC; ++c) {
-      double qv[8], kv[4];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) qv[i] = sq[c][ty + 8 * i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) kv[j] = sk[c][tx + 16 * j];
+      const float4 q0 = *reinterpret_cast<const float4*>(&sq[c][8 * ty]);
+      const float4 q1 = *reinterpret_cast<const float4*>(&sq[c][8 * ty + 4]);
+      const float4 k4 = *reinterpret_cast<const float4*>(&sk[c][4 * tx]);
+      const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+      const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
 #pragma unroll
       for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fma(qv[i], kv[j], acc[i][j]);
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], kv[j], acc[i][j]);
     }
   }
-  const double scale = double(p.scale);
+  const float scale = p.scale;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int64_t qb = qb0 + ty + 8 * i;
+    const int64_t qb = qb0 + 8 * ty + i;
     if (qb >= p.nQB) continue;
-    float* row = a.scores + (bh * p.nQB + qb) * p.nKB;
+    float* row = a.scores + (int64_t(bh) * p.nQB + qb) * p.nKB;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int64_t kb = kb0 + tx + 16 * j;
-      if (kb < p.nKB) row[kb] = float(scale * acc[i][j]);
+      const int64_t kb = kb0 + 4 * tx + j;
+      if (kb < p.nKB) row[kb] = scale * acc[i][j];
     }
   }
 }
 
 // ---------------------------------------------------------------- selection
-// Per row: probabilities P (float32, from a float64 softmax), then the
-// selection threshold by a bitwise search over the bit patterns of P
-// (non-negative floats order like their bit patterns):
+// One warp (a CTA of 32 threads) per (b, h, qb) row. Probabilities P
+// (float32, from a float64 softmax), then the selection threshold by a
+// bitwise search over the bit patterns of P (non-negative floats order like
+// their bit patterns):
 //  - top-k: weight 1 per block, target n = max(1, floor(topk * visible));
 //  - CDF: weight P in 2^-62 fixed point (exact and associative), target
 //    cdf_threshold in the same fixed point.
 // With W(t) = total weight of the blocks whose P bits are >= t, the search
 // builds t* = max { t : W(t) >= target } bit by bit from the most significant
-// one (W is monotone), one block-wide reduction per bit (deterministic, no
-// atomics, no contention on ties). t* is the P of the last selected block in
+// one (W is monotone): one warp reduction per bit, deterministic, no sort, no
+// atomics, no contention on ties. t* is the P of the last selected block in
 // the ordering (P descending, lower index first). Blocks with P > t* are kept
 // and, of the blocks with P == t*, the lowest-index ones, as many as needed to
 // reach the target.
-constexpr int kSelThreads = 128;
-constexpr int kSelCache = 8;  // register-cached blocks per thread (V <= 1024 fully cached)
+constexpr int kSelCache = 16;  // register-cached blocks per lane (V <= 512 fully cached)
 
 struct SelectArgs {
   Problem prob;
@@ -131,165 +132,159 @@ struct SelectArgs {
 __device__ __forceinline__ unsigned long long fixed62(uint32_t pbits) {
   return __float2ull_rz(__uint_as_float(pbits) * 4611686018427387904.0f);
 }
-
-// Block-wide sum of one u64 per thread; every thread gets the total. `red`
-// holds 2 x 32 slots (alternating buffers: one barrier per call).
-__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long* red,
-                                                            int& parity) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  unsigned long long* r = red + 32 * parity;
-  parity ^= 1;
-  if (lane == 0) r[warp] = v;
-  __syncthreads();
-  unsigned long long s = 0;
-  for (int w = 0; w < nw; ++w) s += r[w];
-  return s;
+  return v;
 }
-
-// Block-wide exclusive scan of one int per thread (fixed order).
-__device__ __forceinline__ int block_exclusive_scan_int(int v, int* red /* >= 32 */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
+__device__ __forceinline__ double warp_sum_f64(double v) {
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  __syncthreads();
-  if (lane == 31) red[warp] = x;
-  __syncthreads();
-  int base = 0;
-  for (int w = 0; w < warp; ++w) base += red[w];
-  return base + x - v;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
-// One CTA per (bh, qb) row. Dynamic shared memory: nKB probability bit
-// patterns (u32) + nKB flags.
-__global__ void __launch_bounds__(kSelThreads) select_kernel(const SelectArgs a) {
+// Weight of this lane's blocks with P bits >= t.
+template <bool CDF>
+struct RowSearch {
+  uint32_t uc[kSelCache];            // P bits of blocks lane + 32 i
+  unsigned long long wc[kSelCache];  // their weights (CDF only; 0 beyond V)
+  int nloc;                // cached entries in use (uniform)
+  int V;
+  const uint32_t* pb;      // shared: all V bit patterns (the tail beyond the cache)
+
+  __device__ __forceinline__ unsigned long long local(uint32_t t) const {
+    unsigned long long w = 0;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < kSelCache; ++i) {
+      if (CDF) {
+        if (i < nloc && uc[i] >= t) w += wc[i];
+      } else {
+        if (i < nloc && lane + 32 * i < V && uc[i] >= t) w += 1ull;
+      }
+    }
+    for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
+      const uint32_t u = pb[kb];
+      if (u >= t) w += CDF ? fixed62(u) : 1ull;
+    }
+    return w;
+  }
+  __device__ __forceinline__ unsigned long long total_ge(uint32_t t) const {
+    if (CDF) return warp_sum_u64(local(t));
+    return (unsigned long long)__reduce_add_sync(0xffffffffu, uint32_t(local(t)));
+  }
+};
+
+// Marks the selected blocks of the row in `sel` (shared).
+template <bool CDF>
+__device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned long long target, uint8_t* sel) {
+  const int lane = threadIdx.x & 31;
+  RowSearch<CDF> rs;
+  rs.V = V;
+  rs.pb = pb;
+  rs.nloc = min(kSelCache, (V + 31) / 32);
+#pragma unroll
+  for (int i = 0; i < kSelCache; ++i) {
+    const int kb = lane + 32 * i;
+    rs.uc[i] = (i < rs.nloc && kb < V) ? pb[kb] : 0u;
+    if (CDF) rs.wc[i] = (i < rs.nloc && kb < V) ? fixed62(rs.uc[i]) : 0ull;
+  }
+  if (target == 0 || rs.total_ge(0) < target) {  // CDF never reached (rounding): keep all visible
+    for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
+    return;
+  }
+  uint32_t tstar = 0;
+  for (int bit = 30; bit >= 0; --bit) {  // P <= 1: bit 31 of t* is 0
+    const uint32_t cand = tstar | (1u << bit);
+    if (rs.total_ge(cand) >= target) tstar = cand;
+  }
+  const unsigned long long rem = target - rs.total_ge(tstar + 1);
+  unsigned long long need = rem;  // ties (P == t*) to take, in index order
+  if (CDF) {
+    const unsigned long long w = fixed62(tstar);
+    need = w ? (rem + w - 1) / w : 1;
+  }
+  // ties in index order: chunks of 32 consecutive blocks, ballot + prefix count
+  unsigned long long taken = 0;
+  const uint32_t lt = (1u << lane) - 1u;
+  for (int kb0 = 0; kb0 < V; kb0 += 32) {
+    const int kb = kb0 + lane;
+    const uint32_t u = kb < V ? pb[kb] : 0u;
+    const bool tie = kb < V && u == tstar;
+    const uint32_t bal = __ballot_sync(0xffffffffu, tie);
+    if (kb < V && (u > tstar || (tie && taken + __popc(bal & lt) < need))) sel[kb] = 1;
+    taken += __popc(bal);
+  }
+}
+
+// Dynamic shared memory: nKB probability bit patterns (u32) + nKB flags.
+__global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ unsigned long long u64red[64];
-  __shared__ double dred[32];
-  __shared__ float fred[32];
-  __shared__ int ired[32];
   const Problem& p = a.prob;
   const PredictConfig& cfg = a.cfg;
-  const int64_t nKB = p.nKB;
+  const int nKB = int(p.nKB);
   uint32_t* pb = reinterpret_cast<uint32_t*>(smem);
-  uint8_t* sel = smem + nKB * sizeof(uint32_t);
+  uint8_t* sel = smem + size_t(nKB) * sizeof(uint32_t);
 
-  const int64_t qb = blockIdx.x % p.nQB, bh = blockIdx.x / p.nQB;
-  const int64_t b = bh / p.Hq, h = bh % p.Hq, bhk = b * p.Hkv + h / (p.Hq / p.Hkv);
-  const int tid = threadIdx.x, nt = blockDim.x;
+  const uint32_t nQB = uint32_t(p.nQB), Hq = uint32_t(p.Hq);
+  const uint32_t qb = blockIdx.x % nQB, bh = blockIdx.x / nQB;
+  const uint32_t b = bh / Hq, h = bh % Hq, bhk = b * uint32_t(p.Hkv) + h / (Hq / uint32_t(p.Hkv));
+  const int lane = threadIdx.x;
   const int V = int(visible_key_blocks(p, qb));
   const float sim_thr = cfg.sim_per_head ? cfg.sim_per_head[h] : cfg.sim_threshold;
 
-  for (int64_t kb = tid; kb < nKB; kb += nt) sel[kb] = 0;
-  __syncthreads();
+  for (int kb = lane; kb < nKB; kb += 32) sel[kb] = 0;
+  __syncwarp();
 
   if (V > 0) {
-    const bool force_row = a.sim_q[bh * p.nQB + qb] < sim_thr;
+    const bool force_row = a.sim_q[size_t(bh) * nQB + qb] < sim_thr;
     if (force_row) {
-      for (int kb = tid; kb < V; kb += nt) sel[kb] = 1;
+      for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
     } else {
-      const float* srow = a.scores + (bh * p.nQB + qb) * nKB;
+      const float* srow = a.scores + (size_t(bh) * nQB + qb) * size_t(nKB);
       // softmax over the visible entries (float64, as the CPU reference)
       float mx = -INFINITY;
-      for (int kb = tid; kb < V; kb += nt) mx = fmaxf(mx, srow[kb]);
-      mx = block_reduce(mx, fred, OpMax{});
+      for (int kb = lane; kb < V; kb += 32) {
+        const float sv = srow[kb];
+        pb[kb] = __float_as_uint(sv);  // stage the scores
+        mx = fmaxf(mx, sv);
+      }
+      mx = warp_max(mx);
+      __syncwarp();
       double tot = 0.0;
-      for (int kb = tid; kb < V; kb += nt) tot += exp(double(srow[kb]) - double(mx));
-      tot = block_reduce(tot, dred, OpSum{});
-      for (int kb = tid; kb < V; kb += nt)
-        pb[kb] = __float_as_uint(float(exp(double(srow[kb]) - double(mx)) / tot));
-
-      const bool cdf_mode = cfg.mode != SPARGE_SELECT_TOPK;
-      unsigned long long target;
-      if (cdf_mode) {
-        const float cdf = cfg.cdf_per_head ? cfg.cdf_per_head[h] : cfg.cdf_threshold;
-        target = fixed62(__float_as_uint(cdf));
-      } else {
+      for (int kb = lane; kb < V; kb += 32) tot += exp(double(__uint_as_float(pb[kb])) - double(mx));
+      tot = warp_sum_f64(tot);
+      for (int kb = lane; kb < V; kb += 32)
+        pb[kb] = __float_as_uint(float(exp(double(__uint_as_float(pb[kb])) - double(mx)) / tot));
+      __syncwarp();
+      if (cfg.mode == SPARGE_SELECT_TOPK) {
         const float topk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
-        target = (unsigned long long)topk_count(topk, V);
-      }
-      __syncthreads();  // pb complete
-      // Blocks tid + i*nt: bit patterns and weights cached in registers for the
-      // search (the first kSelCache per thread; the rest, if any, from shared memory).
-      const int nloc = (V + nt - 1) / nt;
-      uint32_t uc[kSelCache];
-      unsigned long long wc[kSelCache];
-#pragma unroll
-      for (int i = 0; i < kSelCache; ++i) {
-        const int kb = tid + i * nt;
-        const bool valid = i < nloc && kb < V;
-        uc[i] = valid ? pb[kb] : 0u;
-        wc[i] = valid ? (cdf_mode ? fixed62(uc[i]) : 1ull) : 0ull;
-      }
-      int parity = 0;
-      auto weight_ge = [&](uint32_t t) {
-        unsigned long long w = 0;
-#pragma unroll
-        for (int i = 0; i < kSelCache; ++i)
-          if (i < nloc && uc[i] >= t) w += wc[i];
-        for (int kb = tid + kSelCache * nt; kb < V; kb += nt) {
-          const uint32_t u = pb[kb];
-          if (u >= t) w += cdf_mode ? fixed62(u) : 1ull;
-        }
-        return block_sum_u64(w, u64red, parity);
-      };
-      if (target == 0 || weight_ge(0) < target) {  // CDF never reached (rounding): keep all visible
-        for (int kb = tid; kb < V; kb += nt) sel[kb] = 1;
+        select_row<false>(pb, V, (unsigned long long)topk_count(topk, V), sel);
       } else {
-        uint32_t tstar = 0;
-        for (int bit = 30; bit >= 0; --bit) {  // P <= 1: bits 31 and 30 of t* are 0 (bit 30 tested anyway)
-          const uint32_t cand = tstar | (1u << bit);
-          if (weight_ge(cand) >= target) tstar = cand;
-        }
-        const unsigned long long above = weight_ge(tstar + 1);
-        const unsigned long long rem = target - above;
-        unsigned long long need = rem;  // ties (P == t*) to take, in index order
-        if (cdf_mode) {
-          const unsigned long long w = fixed62(tstar);
-          need = w ? (rem + w - 1) / w : 1;
-        }
-        // ties ranked in index order: thread t owns the contiguous blocks [s0, s1)
-        const int seg = (V + nt - 1) / nt;
-        const int s0 = min(V, tid * seg), s1 = min(V, s0 + seg);
-        int ties = 0;
-        for (int kb = s0; kb < s1; ++kb) ties += pb[kb] == tstar;
-        int rank = block_exclusive_scan_int(ties, ired);
-        for (int kb = s0; kb < s1; ++kb) {
-          const uint32_t u = pb[kb];
-          if (u > tstar) {
-            sel[kb] = 1;
-          } else if (u == tstar) {
-            if ((unsigned long long)rank < need) sel[kb] = 1;
-            ++rank;
-          }
-        }
+        const float cdf = cfg.cdf_per_head ? cfg.cdf_per_head[h] : cfg.cdf_threshold;
+        select_row<true>(pb, V, fixed62(__float_as_uint(cdf)), sel);
       }
     }
-    __syncthreads();
+    __syncwarp();
     // forced blocks: non-compressible key blocks, attention sink
-    const float* sk = a.sim_k + bhk * nKB;
-    for (int kb = tid; kb < V; kb += nt)
+    const float* sk = a.sim_k + size_t(bhk) * nKB;
+    for (int kb = lane; kb < V; kb += 32)
       if (sk[kb] < sim_thr) sel[kb] = 1;
-    if (cfg.attention_sink && tid == 0) sel[0] = 1;
-    __syncthreads();
+    if (cfg.attention_sink && lane == 0) sel[0] = 1;
+    __syncwarp();
   }
 
   // write the whole row (invisible blocks are 0) and count
   int cnt = 0;
   uint8_t* mrow = a.mask.data + a.mask.offset(b, h, qb, 0);
   const int64_t ms = a.mask.stride[3];
-  for (int64_t kb = tid; kb < nKB; kb += nt) {
+  for (int kb = lane; kb < nKB; kb += 32) {
     const uint8_t v = sel[kb];
     mrow[kb * ms] = v;
     cnt += v;
   }
-  cnt = block_reduce(cnt, ired, OpSum{});
-  if (tid == 0 && cnt > 0) atomicAdd(a.kept + b * a.kept_s0 + h * a.kept_s1, cnt);
+  cnt = int(__reduce_add_sync(0xffffffffu, uint32_t(cnt)));
+  if (lane == 0 && cnt > 0) atomicAdd(a.kept + b * a.kept_s0 + h * a.kept_s1, cnt);
 }
 
 }  // namespace
@@ -333,7 +328,7 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   const size_t smem = size_t(p.nKB) * (sizeof(uint32_t) + 1);
   if (smem > 48 * 1024)
     SPARGE_CUDA_TRY(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  select_kernel<<<unsigned(bhq * p.nQB), kSelThreads, smem, stream>>>(se);
+  select_kernel<<<unsigned(bhq * p.nQB), 32, smem, stream>>>(se);
   SPARGE_LAUNCH_CHECK("sparge block selection kernel");
   return SPARGE_OK;
 }
