@@ -42,6 +42,12 @@ constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
 
+// Consumer schedules (see docs/KERNELS-SM90.md):
+//   kSerial     one tile at a time: Q.K^T, softmax, P.V, each waited for;
+//   kOverlap    softmax of tile t while P.V of tile t-1 runs (per warpgroup);
+//   kPingPong   kOverlap plus turn-taking between the two consumer warpgroups.
+enum Schedule : int { kSerial = 0, kOverlap = 1, kPingPong = 2 };
+
 template <int D>
 struct SmemLayout {
   static constexpr int kQBytes = kBQ * D;
@@ -269,7 +275,7 @@ struct Consumer {
   }
 };
 
-template <int D, bool kCausal, bool kPipelined>
+template <int D, bool kCausal, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_int8fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -330,21 +336,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   Consumer<D, kCausal> c(p, wg - 1, threadIdx.x - 128 * wg, bh, qb, bhkv, sq, sk, sv);
   if (n_tiles > 0) {
     mbar_wait(qbar, 0);
-    if constexpr (kPipelined) {
+    if constexpr (kSchedule != kSerial) {
+      constexpr bool kTurns = (kSchedule == kPingPong);
       // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
       // plus ping-pong between the two consumer warpgroups: each takes turns
       // issuing its matrix products, so one's softmax overlaps the other's GEMMs.
       const int me = c.cw, other = c.cw ^ 1;
-      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+      if (kTurns && me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
       mbar_wait(&full[0], 0);
       {
         const uint64_t dk = c.desc_k(0);
-        named_bar_sync(kTurnBar0 + me, 256);
+        if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_qk(dk);
         wgmma_commit();
       }
-      named_bar_arrive(kTurnBar0 + other, 256);
+      if (kTurns) named_bar_arrive(kTurnBar0 + other, 256);
       wgmma_wait<0>();
       fence_regs(c.acc);
       // Two P buffers used alternately (the loop is unrolled by two), so the
@@ -360,13 +367,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int kb = tiles[t];
         mbar_wait(&full[s], (t / kStages) & 1);
         const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
-        named_bar_sync(kTurnBar0 + me, 256);
+        if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_qk(dk);
         wgmma_commit();
         c.issue_pv(dv, pin);
         wgmma_commit();
-        named_bar_arrive(kTurnBar0 + other, 256);
+        if (kTurns) named_bar_arrive(kTurnBar0 + other, 256);
         wgmma_wait<1>();
         fence_regs(c.acc);
         c.softmax(kb, pout, aout0, aout1);
@@ -377,11 +384,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       auto last = [&](const uint32_t(&pin)[2][4], float ain0, float ain1) {
         const uint64_t dv = c.desc_v((n_tiles - 1) % kStages);
-        named_bar_sync(kTurnBar0 + me, 256);
+        if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_pv(dv, pin);
         wgmma_commit();
-        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+        if (kTurns && me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
         wgmma_wait<0>();
         fence_regs(c.o_tile);
         mbar_arrive(&empty[(n_tiles - 1) % kStages]);
@@ -463,7 +470,7 @@ sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
   return SPARGE_OK;
 }
 
-template <int D, bool kCausal, bool kPipelined>
+template <int D, bool kCausal, int kSchedule>
 sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream) {
   using L = SmemLayout<D>;
   EncodeTiledFn enc = nullptr;
@@ -475,7 +482,7 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   SPARGE_TRY(make_map(enc, &tq, a.q_i8, D, bhq * pb.nQB * kBQ, D, kBQ, swz, "q"));
   SPARGE_TRY(make_map(enc, &tk, a.k_i8, D, bhk * pb.nKB * kBK, D, kBK, swz, "k"));
   SPARGE_TRY(make_map(enc, &tv, a.v_f8, uint64_t(pb.nKB) * kBK, bhk * D, kBK, D, CU_TENSOR_MAP_SWIZZLE_64B, "v"));
-  auto kernel = attn_int8fp8_kernel<D, kCausal, kPipelined>;
+  auto kernel = attn_int8fp8_kernel<D, kCausal, kSchedule>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
   const unsigned grid = static_cast<unsigned>(bhq * pb.nQB);
   kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, prm);
@@ -483,16 +490,16 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   return SPARGE_OK;
 }
 
-// Consumer schedule: "pipelined" (default: ping-pong between the consumer
-// warpgroups plus softmax/P.V overlap inside each) or "serial" (one tile at a
-// time). SPARGE_SM90_SCHEDULE=serial selects the latter; it is a developer
-// switch for A/B measurements, read once.
-bool use_pipelined_schedule() {
-  static const bool pipelined = [] {
+// Consumer schedule: SPARGE_SM90_SCHEDULE = pingpong (default), overlap or
+// serial. A developer switch for A/B measurements, read once.
+int schedule_from_env() {
+  static const int schedule = [] {
     const char* e = std::getenv("SPARGE_SM90_SCHEDULE");
-    return !(e != nullptr && std::strcmp(e, "serial") == 0);
+    if (e != nullptr && std::strcmp(e, "serial") == 0) return int(kSerial);
+    if (e != nullptr && std::strcmp(e, "overlap") == 0) return int(kOverlap);
+    return int(kPingPong);
   }();
-  return pipelined;
+  return schedule;
 }
 
 }  // namespace
@@ -530,9 +537,13 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   prm.nKB = static_cast<int>(pb.nKB);
   prm.scale_log2 = pb.scale * kLog2e;
   prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
-  const bool pipelined = sm90::use_pipelined_schedule();
-#define SPARGE_SM90_LAUNCH(D_, C_) \
-  return pipelined ? sm90::launch<D_, C_, true>(a, prm, stream) : sm90::launch<D_, C_, false>(a, prm, stream)
+  const int schedule = sm90::schedule_from_env();
+#define SPARGE_SM90_LAUNCH(D_, C_)                                                               \
+  switch (schedule) {                                                                           \
+    case sm90::kSerial: return sm90::launch<D_, C_, sm90::kSerial>(a, prm, stream);             \
+    case sm90::kOverlap: return sm90::launch<D_, C_, sm90::kOverlap>(a, prm, stream);           \
+    default: return sm90::launch<D_, C_, sm90::kPingPong>(a, prm, stream);                      \
+  }
   if (pb.D == 128) {
     if (pb.causal) SPARGE_SM90_LAUNCH(128, true);
     SPARGE_SM90_LAUNCH(128, false);
