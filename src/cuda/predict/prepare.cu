@@ -10,6 +10,8 @@
 // quantization follows SEMANTICS.md's float32 operation order exactly.
 #include <cuda_fp8.h>
 
+#include <algorithm>
+
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/internal.cuh"
@@ -24,21 +26,29 @@ constexpr int kThreads = 256;
 // ---------------------------------------------------------------- column statistics
 struct ColArgs {
   Tensor4 k, v;
-  int64_t Hkv, Lkv, nchunk;
+  int64_t Hkv, Lkv, nchunk, nKB;
   bool do_k, do_v;
   double* ksum;  // [B*Hkv, nchunk, D]
   float* vmax;   // [B*Hkv, nchunk, D]
+  // Optional (predict without self-similarity forcing): raw pooled K means per
+  // 64-key block [B*Hkv, nKB, D] (smoothed later by subtracting the mean) and
+  // sim_k set to 0 (never below a threshold <= 0).
+  float* kpool;
+  float* ksim;
 };
 
 // One CTA per (b, hkv, chunk of kGpuColChunk keys): partial column sums of K
-// (float64) and column max|V|, reduced in a fixed order.
+// and column max|V|, reduced in a fixed order. Each iteration of the main loop
+// covers one 64-key block (chunks start at block boundaries).
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs a) {
-  constexpr int TPR = D / 8, RPI = kThreads / TPR, U = 4;
+  constexpr int TPR = D / 8, RPI = kThreads / TPR, U = kGpuBlockK / RPI, NW = kThreads / 32;
+  static_assert(kGpuColChunk % kGpuBlockK == 0, "chunks must start at key-block boundaries");
+  __shared__ float spool[NW][D];
   const uint32_t chunk = blockIdx.x % uint32_t(a.nchunk), bhk = blockIdx.x / uint32_t(a.nchunk);
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
-  const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
-  const int64_t r0 = chunk * kGpuColChunk;
+  const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR, lane = tid & 31, warp = tid >> 5;
+  const int64_t r0 = int64_t(chunk) * kGpuColChunk;
   const int64_t r1 = min(a.Lkv, r0 + int64_t(kGpuColChunk));
   const T* kp = static_cast<const T*>(a.k.data);
   const T* vp = static_cast<const T*>(a.v.data);
@@ -47,11 +57,11 @@ __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs 
 #pragma unroll
   for (int c = 0; c < 8; ++c) ks[c] = 0.f, ke[c] = 0.f, vm[c] = 0.f;
 
-  for (int64_t r = r0 + lr; r < r1; r += int64_t(RPI) * U) {
+  for (int64_t base = r0; base < r1; base += kGpuBlockK) {  // uniform trip count
     uint4 kr[U], vr[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t rr = r + int64_t(u) * RPI;
+      const int64_t rr = base + lr + int64_t(u) * RPI;
       kr[u] = make_uint4(0, 0, 0, 0);
       vr[u] = make_uint4(0, 0, 0, 0);
       if (rr < r1) {
@@ -59,19 +69,46 @@ __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs 
         if (a.do_v) vr[u] = load8_raw<VEC>(vp + a.v.offset(b, hk, rr, cg * 8));
       }
     }
+    float bs[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) bs[c] = 0.f;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float f[8];
       if (a.do_k) {  // rows past r1 loaded as zeros: they add nothing
         unpack8<T>(kr[u], f);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) two_sum_acc(ks[c], ke[c], f[c]);
+        for (int c = 0; c < 8; ++c) {
+          two_sum_acc(ks[c], ke[c], f[c]);
+          bs[c] += f[c];
+        }
       }
       if (a.do_v) {
         unpack8<T>(vr[u], f);
 #pragma unroll
         for (int c = 0; c < 8; ++c) vm[c] = fmaxf(vm[c], fabsf(f[c]));
       }
+    }
+    if (a.kpool) {  // raw pooled mean of this key block (uniform branch)
+#pragma unroll
+      for (int o = TPR; o < 32; o <<= 1)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) bs[c] += __shfl_xor_sync(0xffffffffu, bs[c], o);
+      if (lane < TPR) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) spool[warp][cg * 8 + c] = bs[c];
+      }
+      __syncthreads();
+      const int64_t kb = base / kGpuBlockK;
+      if (tid < D) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) sum += spool[w][tid];
+        const int n = int(min(int64_t(kGpuBlockK), a.Lkv - base));
+        a.kpool[(int64_t(bhk) * a.nKB + kb) * D + tid] = sum / float(n);
+      }
+      if (tid == 0) a.ksim[int64_t(bhk) * a.nKB + kb] = 0.f;
+      __syncthreads();
     }
   }
   // lanes with the same column group: xor over the row bits of the lane id
@@ -86,10 +123,8 @@ __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs 
       vm[c] = fmaxf(vm[c], __shfl_xor_sync(0xffffffffu, vm[c], o));
     }
   }
-  constexpr int NW = kThreads / 32;
   __shared__ double sk[NW][D];
   __shared__ float sv[NW][D];
-  const int lane = tid & 31, warp = tid >> 5;
   if (lane < TPR) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
@@ -156,6 +191,18 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
     }
     k_mean[bhk * D + tid] = do_k ? float(s / double(Lkv)) : 0.f;
     if (do_v) v_amax[bhk * D + tid] = m;
+  }
+}
+
+// pooled_k[bhk, kb, :] -= k_mean[bhk, :] (raw pooled means -> smoothed ones).
+__global__ void pooled_sub_mean_kernel(float4* __restrict__ pooled, const float4* __restrict__ mean, int64_t nKB,
+                                       int D4, int64_t total4) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total4; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c4 = i % D4, bhk = i / (D4 * nKB);
+    float4 v = pooled[i];
+    const float4 m = mean[bhk * D4 + c4];
+    v.x -= m.x, v.y -= m.y, v.z -= m.z, v.w -= m.w;
+    pooled[i] = v;
   }
 }
 
@@ -495,13 +542,20 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   float* v_amax = ws_ptr<float>(base, L.v_amax);
 
   // 1. column statistics
+  // Prediction only, smoothing on, no self-similarity forcing possible
+  // (similarities are >= 0, so a threshold <= 0 never forces): the pooled K
+  // means come out of the column pass (raw, then minus the mean) and the K pass,
+  // a second read of K, is skipped.
+  const bool fused_kpool = !quant && do_k && cfg.sim_per_head == nullptr && !(cfg.sim_threshold > 0.f);
   if (do_k || do_v) {
     ColArgs ca;
     ca.k = k;
     ca.v = do_v ? *v : k;
-    ca.Hkv = p.Hkv, ca.Lkv = p.Lkv, ca.nchunk = nchunk;
+    ca.Hkv = p.Hkv, ca.Lkv = p.Lkv, ca.nchunk = nchunk, ca.nKB = p.nKB;
     ca.do_k = do_k, ca.do_v = do_v;
     ca.ksum = ksum, ca.vmax = vmax;
+    ca.kpool = fused_kpool ? ws_ptr<float>(base, L.pooled_k) : nullptr;
+    ca.ksim = fused_kpool ? ws_ptr<float>(base, L.sim_k) : nullptr;
     const bool vec = vec_ok(k) && (!do_v || vec_ok(*v));
     dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
       constexpr int D = decltype(dc)::value;
@@ -516,6 +570,13 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   col_finalize_kernel<<<unsigned(bhk), kFinThreads, 0, stream>>>(ksum, vmax, nchunk, p.Lkv, int(p.D), do_k,
                                                                    do_v, k_mean, do_v ? v_amax : nullptr);
   SPARGE_LAUNCH_CHECK("sparge column statistics finalize kernel");
+  if (fused_kpool) {
+    const int64_t total4 = bhk * p.nKB * p.D / 4;
+    const int64_t blocks = std::min<int64_t>(ceil_div(total4, 256), 132 * 16);
+    pooled_sub_mean_kernel<<<unsigned(blocks), 256, 0, stream>>>(
+        ws_ptr<float4>(base, L.pooled_k), reinterpret_cast<const float4*>(k_mean), p.nKB, int(p.D / 4), total4);
+    SPARGE_LAUNCH_CHECK("sparge pooled-K smoothing kernel");
+  }
 
   // 2. Q pass
   {
@@ -543,7 +604,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   }
 
   // 3. K pass
-  {
+  if (!fused_kpool) {
     KArgs ka;
     ka.k = k;
     ka.Hkv = p.Hkv, ka.Lkv = p.Lkv, ka.nKB = p.nKB;
