@@ -173,7 +173,6 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
       w.take({B, Hq, lq, D});        // q_i8
       w.take({B, Hkv, lk, D});       // k_i8
       w.take({B, Hkv, D, lk});       // v_f8
-      w.take({B, Hkv, D, lk, 2});    // v_b16
     }
   }
   if (!ok || !w.ok)

@@ -133,7 +133,6 @@ struct WorkspaceLayout {
   size_t k_i8 = 0;      // int8  [B*Hkv, nKB*64, D]   (smoothed, pad rows zero)
   size_t k_scale = 0;   // float [B*Hkv, nKB]        per-64-key-block dequant scale
   size_t v_f8 = 0;      // fp8   [B*Hkv, D, nKB*64]   transposed, token-permuted
-  size_t v_b16 = 0;     // bf16/fp16 [B*Hkv, D, nKB*64] transposed (fp16 precision)
   size_t idx = 0;       // int32 [B*Hq, nQB, nKB]    kept key blocks, ascending
   size_t cnt = 0;       // int32 [B*Hq, nQB]
   size_t order = 0;     // int32 [B*Hq*nQB]          work order, heaviest first

@@ -45,8 +45,6 @@ WorkspaceLayout plan_workspace(const Problem& p) {
       w.q_i8 = a.take(bhq * lq * D);
       w.k_i8 = a.take(bhk * lk * D);
       w.v_f8 = a.take(bhk * D * lk);
-    } else {
-      w.v_b16 = a.take(bhk * D * lk * 2);
     }
   }
   w.total = (a.top + 255) & ~size_t(255);
