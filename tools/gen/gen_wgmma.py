@@ -45,8 +45,9 @@ def main():
     print("#include <cstdint>")
     print()
     print("namespace sparge {\nnamespace cuda {\nnamespace sm90 {\n")
-    print(gen_ss_s8(64))
-    print()
+    for n in (64, 128):
+        print(gen_ss_s8(n))
+        print()
     for n in (64, 128):
         print(gen_rs_e4m3(n))
         print()

@@ -45,14 +45,26 @@ constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is
 // Consumer schedules (see docs/KERNELS-SM90.md):
 //   kSerial     one tile at a time: Q.K^T, softmax, P.V, each waited for;
 //   kOverlap    softmax of tile t while P.V of tile t-1 runs (per warpgroup);
-//   kPingPong   kOverlap plus turn-taking between the two consumer warpgroups.
-enum Schedule : int { kSerial = 0, kOverlap = 1, kPingPong = 2 };
+//   kPingPong   kOverlap plus turn-taking between the two consumer warpgroups;
+//   kWide       128 keys per step (two kept 64-key blocks side by side), the
+//               warpgroups taking turns to issue P.V(u-1) and Q.K^T(u) back to
+//               back; one P buffer (no intra-warpgroup overlap) keeps the
+//               wider accumulators within the register budget.
+enum Schedule : int { kSerial = 0, kOverlap = 1, kPingPong = 2, kWide = 3 };
+template <int kSchedule>
+struct KeysPerStep {
+  static constexpr int value = kSchedule == kWide ? 128 : 64;
+};
 
-template <int D>
+// A stage holds kKeys/64 K tiles (64 x D int8, stacked: one 128-row operand
+// when kKeys = 128) and as many V^T tiles (D x 64 fp8, one after the other).
+template <int D, int kKeys>
 struct SmemLayout {
   static constexpr int kQBytes = kBQ * D;
-  static constexpr int kKBytes = kBK * D;
-  static constexpr int kVBytes = D * kBK;
+  static constexpr int kKTile = kBK * D;
+  static constexpr int kVTile = D * kBK;
+  static constexpr int kKBytes = kKeys * D;
+  static constexpr int kVBytes = D * kKeys;
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
@@ -81,9 +93,12 @@ struct Params {
 // Per-thread state of one consumer warpgroup (64 query rows). Register j of
 // an m64nN accumulator holds row (j & 2 ? row1 : row0) and column
 // 8*(j/4) + 2*quad + (j & 1), where row0 = 16*warp + lane/4 and row1 = row0 + 8.
-template <int D, bool kCausal>
+template <int D, bool kCausal, int kKeys>
 struct Consumer {
-  using L = SmemLayout<D>;
+  using L = SmemLayout<D, kKeys>;
+  static constexpr int kHalves = kKeys / 64;  // 64-key blocks per step
+  static constexpr int NS = kKeys / 2;        // S accumulator registers per thread
+  static constexpr int KS = kKeys / 32;       // k-steps of P.V
   static constexpr uint32_t kSwz = (D == 128) ? kSwizzle128B : kSwizzle64B;
   static constexpr uint32_t kSboQK = 8 * D;   // 8 rows of D int8 bytes
   static constexpr uint32_t kSboV = 8 * kBK;  // 8 channels of 64 fp8 bytes
@@ -97,7 +112,7 @@ struct Consumer {
   uint64_t desc_q;
   float qs0, qs1;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  int32_t acc[32];
+  int32_t acc[NS];
   float o[NO];
   float o_tile[NO];
 
@@ -140,56 +155,80 @@ struct Consumer {
   __device__ __forceinline__ void issue_qk(uint64_t dk) {
 #pragma unroll
     for (int kk = 0; kk < D / 32; ++kk) {
-      wgmma_m64n64k32_s8s8(acc, desc_q + uint64_t((kk * 32) >> 4), dk + uint64_t((kk * 32) >> 4), kk > 0);
-    }
-  }
-
-  // O_tile = P V (fp8, fresh accumulator). Caller fences before and commits after.
-  __device__ __forceinline__ void issue_pv(uint64_t dv, const uint32_t (&pa)[2][4]) {
-    if constexpr (D == 128) {
-      wgmma_m64n128k32_e4m3_rs(o_tile, pa[0], dv, 0);
-      wgmma_m64n128k32_e4m3_rs(o_tile, pa[1], dv + uint64_t(32 >> 4), 1);
-    } else {
-      wgmma_m64n64k32_e4m3_rs(o_tile, pa[0], dv, 0);
-      wgmma_m64n64k32_e4m3_rs(o_tile, pa[1], dv + uint64_t(32 >> 4), 1);
-    }
-  }
-
-  // Online softmax of the scores in `acc` (key block kb): updates m, l; returns
-  // the rescale factors of the previous accumulator and P as e4m3 A fragments.
-  __device__ __forceinline__ void softmax(int kb, uint32_t (&pa)[2][4], float& alpha0, float& alpha1) {
-    // Instruction budget per score (the consumer warps are issue-bound):
-    // IADD + FADD (exact int->float), IMNMX (row max on the integers), FFMA
-    // (scale, shift and the x448 fp8 scale in one), MUFU.EX2, FADD (row sum)
-    // and half an F2FP. Since f > 0, max_j float(x_j)*f == float(max_j x_j)*f
-    // exactly, so the running max equals the reference's bit for bit.
-    const float ks = p.k_scale[int64_t(bhkv) * p.nKB + kb];
-    const float f0 = qs0 * ks, f1 = qs1 * ks;
-    constexpr int32_t kMasked = INT32_MIN;
-    const int key0 = kb * kBK;
-    const bool need_mask = (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
-    if (need_mask) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int key = key0 + 8 * (j / 4) + 2 * quad + (j & 1);
-        const int row = (j & 2) ? row1 : row0;
-        bool ok = key < p.Lkv;
-        if (kCausal) ok = ok && (key <= row + diag);
-        if (!ok) acc[j] = kMasked;
+      if constexpr (kKeys == 128) {
+        wgmma_m64n128k32_s8s8(acc, desc_q + uint64_t((kk * 32) >> 4), dk + uint64_t((kk * 32) >> 4), kk > 0);
+      } else {
+        wgmma_m64n64k32_s8s8(acc, desc_q + uint64_t((kk * 32) >> 4), dk + uint64_t((kk * 32) >> 4), kk > 0);
       }
     }
-    int32_t im0 = kMasked, im1 = kMasked;
+  }
+
+  // O_tile = P V (fp8, fresh accumulator). Caller fences before and commits
+  // after. k-step ks reads V^T tile ks/2 at byte offset 32*(ks%2).
+  __device__ __forceinline__ void issue_pv(uint64_t dv, const uint32_t (&pa)[KS][4]) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      if (j & 2) im1 = max(im1, acc[j]);
-      else im0 = max(im0, acc[j]);
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint64_t d = dv + uint64_t(((ks / 2) * L::kVTile + (ks % 2) * 32) >> 4);
+      if constexpr (D == 128) {
+        wgmma_m64n128k32_e4m3_rs(o_tile, pa[ks], d, ks > 0);
+      } else {
+        wgmma_m64n64k32_e4m3_rs(o_tile, pa[ks], d, ks > 0);
+      }
     }
-    im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 1));
-    im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
-    im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));
-    im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 2));
-    const float mx0 = (im0 == kMasked) ? -INFINITY : small_int_to_float(im0) * f0;
-    const float mx1 = (im1 == kMasked) ? -INFINITY : small_int_to_float(im1) * f1;
+  }
+
+  // Online softmax of the scores in `acc`: key block kb[hh] fills columns
+  // [64*hh, 64*hh + 64) (kb[hh] < 0: no block, all masked). Updates m, l;
+  // returns the rescale factors of the previous accumulator and P as e4m3
+  // A fragments.
+  //
+  // Instruction budget per score (the consumer warps are issue-bound):
+  // IADD + FADD (exact int->float), IMNMX (row max on the integers), FFMA
+  // (scale, shift and the x448 fp8 scale in one), MUFU.EX2, FADD (row sum)
+  // and half an F2FP. Since f > 0, max_j float(x_j)*f == float(max_j x_j)*f
+  // exactly, so the running max equals the reference's bit for bit.
+  __device__ __forceinline__ void softmax(const int (&kb)[kHalves], uint32_t (&pa)[KS][4], float& alpha0,
+                                          float& alpha1) {
+    constexpr int32_t kMasked = INT32_MIN;
+    float f0[kHalves], f1[kHalves];
+    bool masked_any = false;
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) {
+      const float ks = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
+      f0[hh] = qs0 * ks;
+      f1[hh] = qs1 * ks;
+      const int key0 = kb[hh] * kBK;
+      const bool need_mask =
+          (kb[hh] < 0) || (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
+      masked_any |= need_mask;
+      if (need_mask) {
+#pragma unroll
+        for (int jj = 0; jj < 32; ++jj) {
+          const int j = hh * 32 + jj;
+          const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
+          const int row = (jj & 2) ? row1 : row0;
+          bool ok = (kb[hh] >= 0) && key < p.Lkv;
+          if (kCausal) ok = ok && (key <= row + diag);
+          if (!ok) acc[j] = kMasked;
+        }
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) {
+      int32_t im0 = kMasked, im1 = kMasked;
+#pragma unroll
+      for (int jj = 0; jj < 32; ++jj) {
+        if (jj & 2) im1 = max(im1, acc[hh * 32 + jj]);
+        else im0 = max(im0, acc[hh * 32 + jj]);
+      }
+      im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 1));
+      im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
+      im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));
+      im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 2));
+      if (im0 != kMasked) mx0 = fmaxf(mx0, small_int_to_float(im0) * f0[hh]);
+      if (im1 != kMasked) mx1 = fmaxf(mx1, small_int_to_float(im1) * f1[hh]);
+    }
     const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
     const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
     const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
@@ -204,25 +243,26 @@ struct Consumer {
     constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
     const float c0 = kLog2Fp8Max - mu0;
     const float c1 = kLog2Fp8Max - mu1;
-    float sc[32];
+    float sc[NS];
     float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      float pj = fast_exp2(fmaf(small_int_to_float(acc[j]), (j & 2) ? f1 : f0, (j & 2) ? c1 : c0));  // p * 448
-      if (need_mask && acc[j] == kMasked) pj = 0.f;
-      sc[j] = pj;
+    for (int j = 0; j < NS; ++j) {
+      const int hh = j / 32;
+      float pj = fast_exp2(fmaf(small_int_to_float(acc[j]), (j & 2) ? f1[hh] : f0[hh], (j & 2) ? c1 : c0));
+      if (masked_any && acc[j] == kMasked) pj = 0.f;
+      sc[j] = pj;  // p * 448
       if (j & 2) rs1 += pj;
       else rs0 += pj;
     }
     // Row sums are kept in units of 448 (undone in the epilogue).
     l0 = l0 * alpha0 + rs0;
     l1 = l1 * alpha1 + rs1;
-    // k-step ks of P.V covers tile columns [32ks, 32ks+32): accumulator chunks
+    // k-step ks of P.V covers step columns [32ks, 32ks+32): accumulator chunks
     // c = 4ks .. 4ks+3. The A fragment wants, per thread, k = 4*quad + (0..3)
     // and 16 + 4*quad + (0..3); V^T's token order (perm32) makes the columns
     // this thread holds land exactly there.
 #pragma unroll
-    for (int ksp = 0; ksp < 2; ++ksp) {
+    for (int ksp = 0; ksp < KS; ++ksp) {
       const int c = 4 * ksp;
       pa[ksp][0] = pack_e4m3x4(sc[c * 4 + 0], sc[c * 4 + 1], sc[(c + 1) * 4 + 0], sc[(c + 1) * 4 + 1]);
       pa[ksp][1] = pack_e4m3x4(sc[c * 4 + 2], sc[c * 4 + 3], sc[(c + 1) * 4 + 2], sc[(c + 1) * 4 + 3]);
@@ -280,7 +320,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     attn_int8fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = SmemLayout<D>;
+  constexpr int kKeys = KeysPerStep<kSchedule>::value;
+  constexpr int kHalves = kKeys / 64;
+  using L = SmemLayout<D, kKeys>;
+  using C = Consumer<D, kCausal, kKeys>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sq = smem + L::kQ;
@@ -297,7 +340,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int h = bh - b * p.Hq;
   const int bhkv = b * (p.Hq / p.group) + h / p.group;
   const int n_tiles = p.cnt[row_id];
+  const int n_steps = (n_tiles + kHalves - 1) / kHalves;
   const int32_t* tiles = p.idx + int64_t(row_id) * p.nKB;
+  // Key block of half hh of step u; -1 past the end (odd count, wide steps).
+  auto block_of = [&](int u, int hh) { return (u * kHalves + hh < n_tiles) ? tiles[u * kHalves + hh] : -1; };
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -313,19 +359,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     regs_dealloc<kProducerRegs>();
-    if (threadIdx.x == 0 && n_tiles > 0) {
+    if (threadIdx.x == 0 && n_steps > 0) {
       tma_prefetch_map(&tm_q);
       tma_prefetch_map(&tm_k);
       tma_prefetch_map(&tm_v);
       mbar_arrive_expect_tx(qbar, L::kQBytes);
       tma_load_2d(sq, &tm_q, qbar, 0, row_id * kBQ);
-      for (int t = 0; t < n_tiles; ++t) {
-        const int s = t % kStages;
-        if (t >= kStages) mbar_wait(&empty[s], ((t / kStages) - 1) & 1);
-        const int kb = tiles[t];
+      for (int u = 0; u < n_steps; ++u) {
+        const int s = u % kStages;
+        if (u >= kStages) mbar_wait(&empty[s], ((u / kStages) - 1) & 1);
         mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVBytes);
-        tma_load_2d(sk + s * L::kKBytes, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
-        tma_load_2d(sv + s * L::kVBytes, &tm_v, &full[s], kb * kBK, bhkv * D);
+#pragma unroll
+        for (int hh = 0; hh < kHalves; ++hh) {
+          // A missing second block loads the first again (finite data; its
+          // scores are masked), so every stage completes the same byte count.
+          const int kbh = block_of(u, hh);
+          const int kb = kbh >= 0 ? kbh : block_of(u, 0);
+          tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
+          tma_load_2d(sv + s * L::kVBytes + hh * L::kVTile, &tm_v, &full[s], kb * kBK, bhkv * D);
+        }
       }
     }
     return;
@@ -333,15 +385,74 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // -------------------------------------------------------------- consumers
   regs_alloc<kConsumerRegs>();
-  Consumer<D, kCausal> c(p, wg - 1, threadIdx.x - 128 * wg, bh, qb, bhkv, sq, sk, sv);
-  if (n_tiles > 0) {
+  C c(p, wg - 1, threadIdx.x - 128 * wg, bh, qb, bhkv, sq, sk, sv);
+  auto blocks = [&](int u, int (&kb)[kHalves]) {
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) kb[hh] = block_of(u, hh);
+  };
+  if (n_steps > 0) {
     mbar_wait(qbar, 0);
-    if constexpr (kSchedule != kSerial) {
+    const int me = c.cw, other = c.cw ^ 1;
+    if constexpr (kSchedule == kWide) {
+      // Turn-taking: in its turn a warpgroup issues P.V(u-1) then Q.K^T(u);
+      // it then folds P.V(u-1) into O while Q.K^T(u) runs, and does the
+      // softmax of step u while the other warpgroup has its turn.
+      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+      uint32_t pa[C::KS][4];
+      float al0, al1;
+      int kb[kHalves];
+      mbar_wait(&full[0], 0);
+      {
+        const uint64_t dk = c.desc_k(0);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_qk(dk);
+        wgmma_commit();
+        named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<0>();
+        fence_regs(c.acc);
+        blocks(0, kb);
+        c.softmax(kb, pa, al0, al1);
+      }
+      for (int u = 1; u < n_steps; ++u) {
+        const int s = u % kStages, sp = (u - 1) % kStages;
+        mbar_wait(&full[s], (u / kStages) & 1);
+        const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_pv(dv, pa);
+        wgmma_commit();
+        c.issue_qk(dk);
+        wgmma_commit();
+        named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<1>();  // P.V(u-1) done
+        fence_regs(c.o_tile);
+        fence_regs(pa);
+        mbar_arrive(&empty[sp]);
+        c.accumulate(al0, al1);
+        wgmma_wait<0>();  // Q.K^T(u) done
+        fence_regs(c.acc);
+        blocks(u, kb);
+        c.softmax(kb, pa, al0, al1);
+      }
+      {
+        const int sp = (n_steps - 1) % kStages;
+        const uint64_t dv = c.desc_v(sp);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_pv(dv, pa);
+        wgmma_commit();
+        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+        wgmma_wait<0>();
+        fence_regs(c.o_tile);
+        mbar_arrive(&empty[sp]);
+        c.accumulate(al0, al1);
+      }
+    } else if constexpr (kSchedule != kSerial) {
+      // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs),
+      // with (kPingPong) or without (kOverlap) turn-taking between the two
+      // consumer warpgroups.
       constexpr bool kTurns = (kSchedule == kPingPong);
-      // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
-      // plus ping-pong between the two consumer warpgroups: each takes turns
-      // issuing its matrix products, so one's softmax overlaps the other's GEMMs.
-      const int me = c.cw, other = c.cw ^ 1;
       if (kTurns && me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
       mbar_wait(&full[0], 0);
       {
@@ -350,21 +461,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_fence();
         c.issue_qk(dk);
         wgmma_commit();
+        if (kTurns) named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<0>();
+        fence_regs(c.acc);
       }
-      if (kTurns) named_bar_arrive(kTurnBar0 + other, 256);
-      wgmma_wait<0>();
-      fence_regs(c.acc);
       // Two P buffers used alternately (the loop is unrolled by two), so the
       // registers an in-flight P.V reads are never the ones the next softmax
       // writes; a copy between them would let ptxas merge the two and
       // serialize the wgmmas.
-      uint32_t pa_a[2][4], pa_b[2][4];
+      uint32_t pa_a[C::KS][4], pa_b[C::KS][4];
       float al_a0, al_a1, al_b0, al_b1;
-      c.softmax(tiles[0], pa_a, al_a0, al_a1);
-      auto step = [&](int t, const uint32_t(&pin)[2][4], float ain0, float ain1, uint32_t(&pout)[2][4],
+      int kb[kHalves];
+      blocks(0, kb);
+      c.softmax(kb, pa_a, al_a0, al_a1);
+      auto step = [&](int t, const uint32_t(&pin)[C::KS][4], float ain0, float ain1, uint32_t(&pout)[C::KS][4],
                       float& aout0, float& aout1) {
         const int s = t % kStages, sp = (t - 1) % kStages;
-        const int kb = tiles[t];
         mbar_wait(&full[s], (t / kStages) & 1);
         const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
         if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
@@ -376,14 +488,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kTurns) named_bar_arrive(kTurnBar0 + other, 256);
         wgmma_wait<1>();
         fence_regs(c.acc);
-        c.softmax(kb, pout, aout0, aout1);
+        int kbt[kHalves];
+        blocks(t, kbt);
+        c.softmax(kbt, pout, aout0, aout1);
         wgmma_wait<0>();
         fence_regs(c.o_tile);
         mbar_arrive(&empty[sp]);
         c.accumulate(ain0, ain1);
       };
-      auto last = [&](const uint32_t(&pin)[2][4], float ain0, float ain1) {
-        const uint64_t dv = c.desc_v((n_tiles - 1) % kStages);
+      auto last = [&](const uint32_t(&pin)[C::KS][4], float ain0, float ain1) {
+        const int sp = (n_steps - 1) % kStages;
+        const uint64_t dv = c.desc_v(sp);
         if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_pv(dv, pin);
@@ -391,24 +506,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kTurns && me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
         wgmma_wait<0>();
         fence_regs(c.o_tile);
-        mbar_arrive(&empty[(n_tiles - 1) % kStages]);
+        mbar_arrive(&empty[sp]);
         c.accumulate(ain0, ain1);
       };
       int t = 1;
-      for (; t + 1 < n_tiles; t += 2) {
+      for (; t + 1 < n_steps; t += 2) {
         step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
         step(t + 1, pa_b, al_b0, al_b1, pa_a, al_a0, al_a1);
       }
-      if (t < n_tiles) {
+      if (t < n_steps) {
         step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
         last(pa_b, al_b0, al_b1);
       } else {
         last(pa_a, al_a0, al_a1);
       }
     } else {
-      for (int t = 0; t < n_tiles; ++t) {
+      for (int t = 0; t < n_steps; ++t) {
         const int s = t % kStages;
-        const int kb = tiles[t];
         mbar_wait(&full[s], (t / kStages) & 1);
         const uint64_t dk = c.desc_k(s), dv = c.desc_v(s);
         wgmma_fence();
@@ -416,8 +530,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(c.acc);
-        uint32_t pa[2][4];
+        uint32_t pa[C::KS][4];
         float alpha0, alpha1;
+        int kb[kHalves];
+        blocks(t, kb);
         c.softmax(kb, pa, alpha0, alpha1);
         wgmma_fence();
         c.issue_pv(dv, pa);
@@ -472,7 +588,7 @@ sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 
 template <int D, bool kCausal, int kSchedule>
 sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream) {
-  using L = SmemLayout<D>;
+  using L = SmemLayout<D, KeysPerStep<kSchedule>::value>;
   EncodeTiledFn enc = nullptr;
   SPARGE_TRY(get_encode_fn(&enc));
   const Problem& pb = a.prob;
@@ -490,13 +606,14 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   return SPARGE_OK;
 }
 
-// Consumer schedule: SPARGE_SM90_SCHEDULE = pingpong (default), overlap or
-// serial. A developer switch for A/B measurements, read once.
+// Consumer schedule: SPARGE_SM90_SCHEDULE = pingpong (default), overlap,
+// wide or serial. A developer switch for A/B measurements, read once.
 int schedule_from_env() {
   static const int schedule = [] {
     const char* e = std::getenv("SPARGE_SM90_SCHEDULE");
     if (e != nullptr && std::strcmp(e, "serial") == 0) return int(kSerial);
     if (e != nullptr && std::strcmp(e, "overlap") == 0) return int(kOverlap);
+    if (e != nullptr && std::strcmp(e, "wide") == 0) return int(kWide);
     return int(kPingPong);
   }();
   return schedule;
@@ -542,6 +659,7 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   switch (schedule) {                                                                           \
     case sm90::kSerial: return sm90::launch<D_, C_, sm90::kSerial>(a, prm, stream);             \
     case sm90::kOverlap: return sm90::launch<D_, C_, sm90::kOverlap>(a, prm, stream);           \
+    case sm90::kWide: return sm90::launch<D_, C_, sm90::kWide>(a, prm, stream);                 \
     default: return sm90::launch<D_, C_, sm90::kPingPong>(a, prm, stream);                      \
   }
   if (pb.D == 128) {
