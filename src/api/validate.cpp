@@ -350,6 +350,9 @@ sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t 
   if (need > 0 && (reinterpret_cast<uintptr_t>(workspace) % align) != 0)
     return fail(SPARGE_ERR_INVALID_ARGUMENT, "workspace is not %zu-byte aligned, expected a %zu-byte aligned pointer",
                 align, align);
+  // Host memory that happens to be 256-byte aligned must not reach a kernel.
+  if (need > 0 && plan.prob.device == SPARGE_DEVICE_CUDA)
+    SPARGE_TRY(cuda::pointer_on_device(workspace, plan.prob.device_id, "workspace"));
   return SPARGE_OK;
 }
 

@@ -137,8 +137,10 @@ TEST_CASE("CUDA plan: workspace checks", "[gpu][errors][sanitize]") {
 TEST_CASE("CUDA plan: host memory as workspace is rejected", "[gpu][errors][hostptr][sanitize]") {
   Fixture f(SPARGE_PRECISION_INT8_FP8);
   REQUIRE(f.wsb > 0);
-  std::vector<unsigned char> hws(f.wsb + 256);
-  const sparge_status_t st = f.run(f.q, f.k, f.v, &f.m, f.o, &f.l, hws.data(), f.wsb);
+  // 256-byte aligned on purpose: the alignment check must not be what rejects it.
+  std::vector<unsigned char> hws(f.wsb + 512);
+  void* hp = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(hws.data()) + 255) & ~uintptr_t(255));
+  const sparge_status_t st = f.run(f.q, f.k, f.v, &f.m, f.o, &f.l, hp, f.wsb);
   INFO("host workspace: " << sparge_status_string(st) << " " << sparge_last_error());
   CHECK(st == SPARGE_ERR_INVALID_ARGUMENT);
   CHECK(names_word(sparge_last_error(), "workspace"));
