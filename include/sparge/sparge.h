@@ -8,7 +8,9 @@
  *  - Enumerator values never change; new ones are appended.
  *  - Every struct passed by pointer starts with `size_t struct_size`, set by the
  *    caller to sizeof(the struct it was compiled against) (use the *_INIT macros).
- *    The library reads only the fields that fit in struct_size, so structs can grow.
+ *    Structs only grow at the end; a newer library reads only the fields an older
+ *    caller's struct_size covers. A struct_size smaller than the first published
+ *    layout (this one) is rejected with SPARGE_ERR_INVALID_ARGUMENT.
  *  - Nothing crosses the ABI as an exception, abort or exit: every failure is a
  *    status plus a thread-local message (sparge_last_error()).
  *  - sparge_predict_mask and sparge_attention_run allocate nothing, never
@@ -157,7 +159,8 @@ typedef struct sparge_plan* sparge_plan_t;
  * or query the driver). On failure *out is set to NULL. */
 SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, sparge_plan_t* out);
 
-/* Bytes of scratch memory (in the plan's memory space, 256-byte aligned) that
+/* Bytes of scratch memory (in the plan's memory space; 256-byte aligned device
+ * memory for CUDA plans, 16-byte aligned host memory for CPU plans) that
  * predict_mask and attention_run need. Zero-sized workspaces may pass NULL. */
 SPARGE_API sparge_status_t sparge_plan_workspace_size(sparge_plan_t plan, size_t* bytes);
 
