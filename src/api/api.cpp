@@ -183,7 +183,7 @@ SPARGE_API const char* sparge_last_error(void) {
 }
 
 SPARGE_API const char* sparge_status_string(sparge_status_t status) {
-  switch (status) {
+  switch (api::raw_enum(status)) {  // any int may arrive from C: compare integers
     case SPARGE_OK: return "SPARGE_OK";
     case SPARGE_ERR_INVALID_ARGUMENT: return "SPARGE_ERR_INVALID_ARGUMENT";
     case SPARGE_ERR_UNSUPPORTED: return "SPARGE_ERR_UNSUPPORTED";

@@ -87,20 +87,22 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
   if (in.heads_q % in.heads_kv != 0)
     return fail(INV, "problem->heads_q (%" PRId64 ") must be a multiple of problem->heads_kv (%" PRId64 ")",
                 in.heads_q, in.heads_kv);
-  if (in.device_type != SPARGE_DEVICE_CPU && in.device_type != SPARGE_DEVICE_CUDA)
+  const int32_t device_type = raw_enum(in.device_type), dtype = raw_enum(in.dtype),
+                precision = raw_enum(in.precision);
+  if (device_type != SPARGE_DEVICE_CPU && device_type != SPARGE_DEVICE_CUDA)
     return fail(INV, "problem->device_type is %d, expected SPARGE_DEVICE_CPU (0) or SPARGE_DEVICE_CUDA (1)",
-                int(in.device_type));
-  const bool gpu = in.device_type == SPARGE_DEVICE_CUDA;
+                int(device_type));
+  const bool gpu = device_type == SPARGE_DEVICE_CUDA;
   if (in.device_id < 0) return fail(INV, "problem->device_id is %d, expected >= 0", int(in.device_id));
-  if (!is_attention_dtype(int(in.dtype)))
-    return fail(INV, "problem->dtype is %s (%d), expected FLOAT16, BFLOAT16 or FLOAT32", dtype_name(int(in.dtype)),
-                int(in.dtype));
-  if (gpu && in.dtype == SPARGE_DTYPE_FLOAT32)
+  if (!is_attention_dtype(dtype))
+    return fail(INV, "problem->dtype is %s (%d), expected FLOAT16, BFLOAT16 or FLOAT32", dtype_name(dtype),
+                int(dtype));
+  if (gpu && dtype == SPARGE_DTYPE_FLOAT32)
     return fail(UNS, "problem->dtype is FLOAT32: CUDA plans support FLOAT16 or BFLOAT16");
-  if (in.precision != SPARGE_PRECISION_INT8_FP8 && in.precision != SPARGE_PRECISION_FP16 &&
-      in.precision != SPARGE_PRECISION_EXACT)
-    return fail(INV, "problem->precision is %d, expected INT8_FP8 (0), FP16 (1) or EXACT (2)", int(in.precision));
-  if (gpu && in.precision == SPARGE_PRECISION_EXACT)
+  if (precision != SPARGE_PRECISION_INT8_FP8 && precision != SPARGE_PRECISION_FP16 &&
+      precision != SPARGE_PRECISION_EXACT)
+    return fail(INV, "problem->precision is %d, expected INT8_FP8 (0), FP16 (1) or EXACT (2)", int(precision));
+  if (gpu && precision == SPARGE_PRECISION_EXACT)
     return fail(UNS, "problem->precision is EXACT: CUDA plans support INT8_FP8 or FP16 (EXACT is CPU only)");
   if (gpu && in.head_dim != 64 && in.head_dim != 128)
     return fail(UNS, "problem->head_dim is %" PRId64 ": CUDA plans support 64 or 128", in.head_dim);
@@ -129,10 +131,10 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
   p.Lq = in.len_q;
   p.Lkv = in.len_kv;
   p.D = in.head_dim;
-  p.dtype = in.dtype;
-  p.device = in.device_type;
+  p.dtype = sparge_dtype_t(dtype);
+  p.device = sparge_device_type_t(device_type);
   p.device_id = in.device_id;
-  p.precision = in.precision;
+  p.precision = sparge_precision_t(precision);
   p.causal = in.causal != 0;
   p.scale = in.scale == 0.0f ? float(1.0 / std::sqrt(double(in.head_dim))) : in.scale;
   p.BQ = in.block_q == 0 ? kGpuBlockQ : in.block_q;
@@ -211,13 +213,16 @@ sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const T
   const Problem& p = plan.prob;
   if (!t) return fail(INV, "%s is NULL, expected a tensor descriptor", s.name);
   if (!t->data) return fail(INV, "%s->data is NULL, expected a pointer to %s memory", s.name, device_name(p.device));
-  if (t->device_type != p.device)
-    return fail(INV, "%s->device_type is %s, expected %s (the plan's device)", s.name, device_name(int(t->device_type)),
+  const int32_t t_device = raw_enum(t->device_type), t_dtype = raw_enum(t->dtype);
+  if (t_device != p.device)
+    return fail(INV, "%s->device_type is %s (%d), expected %s (the plan's device)", s.name, device_name(t_device),
+                int(t_device),
                 device_name(p.device));
   if (t->device_id != p.device_id)
     return fail(INV, "%s->device_id is %d, expected %d (the plan's device_id)", s.name, int(t->device_id), p.device_id);
-  if (t->dtype != s.dtype)
-    return fail(INV, "%s->dtype is %s, expected %s", s.name, dtype_name(int(t->dtype)), dtype_name(s.dtype));
+  if (t_dtype != s.dtype)
+    return fail(INV, "%s->dtype is %s (%d), expected %s", s.name, dtype_name(t_dtype), int(t_dtype),
+                dtype_name(s.dtype));
   if (t->ndim != s.ndim) return fail(INV, "%s->ndim is %d, expected %d", s.name, int(t->ndim), s.ndim);
   for (int d = 0; d < s.ndim; ++d)
     if (t->shape[d] != s.shape[d])
@@ -306,11 +311,12 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
                 "params->struct_size is %zu, expected >= %zu (sizeof(sparge_predict_params_t); use "
                 "SPARGE_PREDICT_PARAMS_INIT)",
                 in.struct_size, sizeof(sparge_predict_params_t));
-  if (in.mode != SPARGE_SELECT_TOPK && in.mode != SPARGE_SELECT_CDF)
-    return fail(INV, "params->mode is %d, expected SPARGE_SELECT_TOPK (0) or SPARGE_SELECT_CDF (1)", int(in.mode));
-  if (in.mode == SPARGE_SELECT_TOPK && !in_unit_interval(in.topk))
+  const int32_t mode = raw_enum(in.mode);
+  if (mode != SPARGE_SELECT_TOPK && mode != SPARGE_SELECT_CDF)
+    return fail(INV, "params->mode is %d, expected SPARGE_SELECT_TOPK (0) or SPARGE_SELECT_CDF (1)", int(mode));
+  if (mode == SPARGE_SELECT_TOPK && !in_unit_interval(in.topk))
     return fail(INV, "params->topk is %g, expected a value in (0, 1]", double(in.topk));
-  if (in.mode == SPARGE_SELECT_CDF && !in_unit_interval(in.cdf_threshold))
+  if (mode == SPARGE_SELECT_CDF && !in_unit_interval(in.cdf_threshold))
     return fail(INV, "params->cdf_threshold is %g, expected a value in (0, 1]", double(in.cdf_threshold));
   if (std::isnan(in.sim_threshold)) return fail(INV, "params->sim_threshold is NaN, expected a number");
   if (std::isnan(in.pv_threshold) || in.pv_threshold < 0.0f)
@@ -318,20 +324,20 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   if (in.pv_threshold > 0.0f)
     return fail(SPARGE_ERR_UNSUPPORTED, "params->pv_threshold is %g: the PV skip is reserved, expected 0 (off)",
                 double(in.pv_threshold));
-  if (in.mode == SPARGE_SELECT_TOPK) SPARGE_TRY(check_per_head(plan, in.topk_per_head, "topk_per_head", true));
-  if (in.mode == SPARGE_SELECT_CDF)
+  if (mode == SPARGE_SELECT_TOPK) SPARGE_TRY(check_per_head(plan, in.topk_per_head, "topk_per_head", true));
+  if (mode == SPARGE_SELECT_CDF)
     SPARGE_TRY(check_per_head(plan, in.cdf_threshold_per_head, "cdf_threshold_per_head", true));
   SPARGE_TRY(check_per_head(plan, in.sim_threshold_per_head, "sim_threshold_per_head", false));
 
   PredictConfig c;
-  c.mode = in.mode;
+  c.mode = sparge_select_mode_t(mode);
   c.topk = in.topk;
   c.cdf_threshold = in.cdf_threshold;
   c.sim_threshold = in.sim_threshold;
   c.smooth_k = in.smooth_k != 0;
   c.attention_sink = in.attention_sink != 0;
-  c.topk_per_head = in.mode == SPARGE_SELECT_TOPK ? in.topk_per_head : nullptr;
-  c.cdf_per_head = in.mode == SPARGE_SELECT_CDF ? in.cdf_threshold_per_head : nullptr;
+  c.topk_per_head = mode == SPARGE_SELECT_TOPK ? in.topk_per_head : nullptr;
+  c.cdf_per_head = mode == SPARGE_SELECT_CDF ? in.cdf_threshold_per_head : nullptr;
   c.sim_per_head = in.sim_threshold_per_head;
   *cfg = c;
   return SPARGE_OK;

@@ -4,12 +4,24 @@
 // to the caller's outputs.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
 
 namespace sparge {
 namespace api {
+
+// The integer a C caller stored in an enum-typed field. A C program may store any
+// int there, and in C++ loading an enum object whose value lies outside the
+// enumeration's range is undefined; reading the bytes as an integer is not.
+template <class E>
+inline int32_t raw_enum(const E& e) {
+  static_assert(sizeof(E) == sizeof(int32_t), "C enums of the ABI are 32-bit");
+  int32_t v;
+  std::memcpy(&v, &e, sizeof(v));
+  return v;
+}
 
 const char* dtype_name(int dtype);
 const char* device_name(int device);
