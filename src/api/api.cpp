@@ -28,6 +28,49 @@ sparge_status_t guarded(const char* fn, F&& body) {
   }
 }
 
+using u128 = unsigned __int128;
+
+// sum_{i=0}^{n-1} floor((a*i + b) / m) for a, b >= 0, m >= 1, in O(log) steps.
+// Every term added is part of the (non-negative) result, and a, m <= 1024, so no
+// intermediate exceeds 128 bits when the result fits in 64.
+u128 floor_sum(u128 n, u128 m, u128 a, u128 b) {
+  u128 ans = 0;
+  for (;;) {
+    if (a >= m) {
+      ans += n * (n - 1) / 2 * (a / m);
+      a %= m;
+    }
+    if (b >= m) {
+      ans += n * (b / m);
+      b %= m;
+    }
+    const u128 y_max = a * n + b;
+    if (y_max < m) break;
+    n = y_max / m;
+    b = y_max % m;
+    const u128 t = m;
+    m = a;
+    a = t;
+  }
+  return ans;
+}
+
+// sum over query blocks of visible_key_blocks(p, qb), without a loop over nQB
+// (which may be ~2^60 for a valid plan). Query block qb < nQB - 1 sees keys up to
+// qb*BQ + c, c = BQ - 1 + Lkv - Lq, never beyond Lkv - 2; only the last block can
+// be clipped at Lq - 1, so it is counted apart.
+int64_t total_visible_blocks(const Problem& p) {
+  if (!p.causal) return p.nQB * p.nKB;  // fits: checked in sparge_create_plan
+  const int64_t c = int64_t(p.BQ) - 1 + (p.Lkv - p.Lq);
+  const int64_t qb0 = c >= 0 ? 0 : (-c + p.BQ - 1) / p.BQ;  // first block that sees a key
+  u128 total = u128(visible_key_blocks(p, p.nQB - 1));
+  if (qb0 < p.nQB - 1) {
+    const int64_t n = p.nQB - 1 - qb0;
+    total += floor_sum(u128(n), u128(p.BK), u128(p.BQ), u128(qb0 * p.BQ + c)) + u128(n);
+  }
+  return int64_t(total);  // <= nQB * nKB, which fits
+}
+
 sparge_status_t check_plan(sparge_plan_t plan) {
   if (!plan) return fail(SPARGE_ERR_INVALID_ARGUMENT, "plan is NULL, expected a plan from sparge_create_plan");
   return SPARGE_OK;
@@ -103,14 +146,7 @@ SPARGE_API sparge_status_t sparge_plan_visible_blocks(sparge_plan_t plan, int64_
     SPARGE_TRY(check_plan(plan));
     if (!visible_per_head)
       return fail(SPARGE_ERR_INVALID_ARGUMENT, "visible_per_head is NULL, expected a pointer to an int64_t");
-    const Problem& p = plan->prob;
-    int64_t total = 0;
-    if (!p.causal) {
-      total = p.nQB * p.nKB;  // fits: checked in sparge_create_plan
-    } else {
-      for (int64_t qb = 0; qb < p.nQB; ++qb) total += visible_key_blocks(p, qb);
-    }
-    *visible_per_head = total;
+    *visible_per_head = total_visible_blocks(plan->prob);
     return SPARGE_OK;
   });
 }

@@ -116,8 +116,10 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
     int32_t v;
     int32_t dflt;
   } blocks[] = {{"block_q", in.block_q, kGpuBlockQ}, {"block_k", in.block_k, kGpuBlockK}};
-  for (const auto& bl : blocks) {
+  // Both signs first, then both ranges: the order of the bad-input catalogue.
+  for (const auto& bl : blocks)
     if (bl.v < 0) return fail(INV, "problem->%s is %d, expected 0 (default %d) or a positive size", bl.name, bl.v, bl.dflt);
+  for (const auto& bl : blocks) {
     const int32_t r = bl.v == 0 ? bl.dflt : bl.v;
     if (gpu && r != bl.dflt)
       return fail(UNS, "problem->%s is %d: CUDA plans support only %d (or 0 for the default)", bl.name, bl.v, bl.dflt);
