@@ -13,6 +13,11 @@ namespace {
 constexpr int64_t kTile = 64;  // online-softmax key tile (FP16 and INT8_FP8)
 constexpr float kLn2 = 0.693147180559945309f;
 
+// 2^(t - mx) for t <= mx. Equal to std::exp2(t - mx) whenever the difference is
+// defined, and 1 when t == mx == +inf (scores that overflowed float32 for a huge
+// scale): the softmax limit, instead of the NaN of inf - inf.
+inline float stable_exp2(float t, float mx) { return t == mx ? 1.0f : std::exp2(t - mx); }
+
 struct HeadIO {
   const Problem& p;
   const Tensor4& out;
@@ -93,19 +98,19 @@ void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector
         float d = 0.0f;
         const float* kj = kh.data() + j * D;
         for (int64_t c = 0; c < D; ++c) d += qi[c] * kj[c];
-        tj = d * cexp;
+        tj = d == 0.0f ? 0.0f : d * cexp;  // cexp may be +inf for a huge scale: 0 * inf is no score
         tmax = std::max(tmax, tj);
       }
       if (!any) continue;
       const float mn = std::max(m, tmax);
       if (mn == -INFINITY) continue;
-      const float alpha = (m == -INFINITY) ? 0.0f : std::exp2(m - mn);
+      const float alpha = (m == -INFINITY) ? 0.0f : stable_exp2(m, mn);
       float psum = 0.0f;
       for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
       for (int64_t j = j0; j < j1; ++j) {
         const float tj = t[size_t(j - j0)];
         if (tj == -INFINITY) continue;
-        const float pj = std::exp2(tj - mn);
+        const float pj = stable_exp2(tj, mn);
         psum += pj;
         const float pr = round_to(p.dtype, pj);
         const float* vj = vh.data() + j * D;
@@ -210,19 +215,19 @@ void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV&
         int32_t d = 0;
         const int8_t* kj = kv.k8.data() + j * D;
         for (int64_t c = 0; c < D; ++c) d += int32_t(q8[size_t(c)]) * int32_t(kj[c]);
-        tj = float(d) * f;
+        tj = d == 0 ? 0.0f : float(d) * f;  // f may overflow to +inf: 0 * inf is no score
         tmax = std::max(tmax, tj);
       }
       if (!any) continue;
       const float mn = std::max(m, tmax);
       if (mn == -INFINITY) continue;
-      const float alpha = (m == -INFINITY) ? 0.0f : std::exp2(m - mn);
+      const float alpha = (m == -INFINITY) ? 0.0f : stable_exp2(m, mn);
       float psum = 0.0f;
       for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
       for (int64_t j = j0; j < j1; ++j) {
         const float tj = t[size_t(j - j0)];
         if (tj == -INFINITY) continue;
-        const float pj = std::exp2(tj - mn);
+        const float pj = stable_exp2(tj, mn);
         psum += pj;
         const float p8 = e4m3_round(pj * kFp8Max);
         const float* vj = kv.v8.data() + j * D;

@@ -130,7 +130,9 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
         }
         double tot = 0.0;
         for (int64_t kb = 0; kb < vis; ++kb) {
-          e[size_t(kb)] = std::exp(e[size_t(kb)] - mx);
+          // A score equal to the maximum weighs 1, also when both are +-inf (a scale so
+          // large that float32 scores overflow): the softmax limit, not the NaN of inf - inf.
+          e[size_t(kb)] = e[size_t(kb)] == mx ? 1.0 : std::exp(e[size_t(kb)] - mx);
           tot += e[size_t(kb)];
         }
         for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
