@@ -2,6 +2,7 @@
 #include <cinttypes>
 #include <exception>
 #include <new>
+#include <string>
 
 #include "api/validate.hpp"
 #include "core/backend.hpp"
@@ -92,7 +93,11 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
       if (!cuda::built())
         return fail(SPARGE_ERR_NO_DEVICE,
                     "problem->device_type is CUDA but libsparge was built without CUDA (sparge_has_cuda() == 0)");
-      SPARGE_TRY(cuda::check_device(p, &sm));
+      const sparge_status_t st = cuda::check_device(p, &sm);
+      if (st != SPARGE_OK) {  // name the argument the device comes from
+        const std::string why = last_error_text();
+        return fail(st, "problem->device_type is CUDA, problem->device_id %d: %s", p.device_id, why.c_str());
+      }
     }
     sparge_plan* plan = new sparge_plan;
     plan->prob = p;
