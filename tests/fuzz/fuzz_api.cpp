@@ -303,7 +303,7 @@ struct Buffer {
   void* data() { return mem.empty() ? nullptr : mem.data(); }
 };
 
-uint8_t g_placeholder[4096] alignas(256);  // behind every pointer of a call that must fail
+alignas(256) uint8_t g_placeholder[4096];  // behind every pointer of a call that must fail
 
 struct Arg {
   std::string name;
