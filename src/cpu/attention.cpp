@@ -30,6 +30,53 @@ struct HeadIO {
   }
 };
 
+// Base-2 online softmax of one query row over 64-key tiles aligned to
+// multiples of 64, in ascending order (docs/SEMANTICS.md, FP16 and INT8_FP8):
+// per tile m' = max(m, max_j t_j), alpha = 2^(m - m'), p_j = 2^(t_j - m'),
+// l = l*alpha + sum p_j (unrounded), acc = acc*alpha + sum round_p(p_j) * v_j.
+// score(j, tile) gives t_j for a used key j; v_row(j) its D values of V.
+// Leaves l == 0 when the row uses no key.
+template <class Score, class RoundP, class VRow>
+void online_softmax_row(const Problem& p, const RowMask& rm, Score score, RoundP round_p, VRow v_row,
+                        std::vector<float>& t, std::vector<float>& acc, float& m, float& l) {
+  const int64_t D = p.D;
+  m = -INFINITY;
+  l = 0.0f;
+  std::fill(acc.begin(), acc.end(), 0.0f);
+  for (int64_t j0 = 0, tb = 0; j0 < p.Lkv; j0 += kTile, ++tb) {
+    const int64_t j1 = std::min(p.Lkv, j0 + kTile);
+    float tmax = -INFINITY;
+    bool any = false;
+    for (int64_t j = j0; j < j1; ++j) {
+      float& tj = t[size_t(j - j0)];
+      if (!rm.used(j)) {
+        tj = -INFINITY;
+        continue;
+      }
+      any = true;
+      tj = score(j, tb);
+      tmax = std::max(tmax, tj);
+    }
+    if (!any) continue;
+    const float mn = std::max(m, tmax);
+    if (mn == -INFINITY) continue;
+    const float alpha = (m == -INFINITY) ? 0.0f : stable_exp2(m, mn);
+    float psum = 0.0f;
+    for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
+    for (int64_t j = j0; j < j1; ++j) {
+      const float tj = t[size_t(j - j0)];
+      if (tj == -INFINITY) continue;
+      const float pj = stable_exp2(tj, mn);
+      psum += pj;
+      const float pr = round_p(pj);
+      const float* vj = v_row(j);
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += pr * vj[c];
+    }
+    l = l * alpha + psum;
+    m = mn;
+  }
+}
+
 // ---------------------------------------------------------------- EXACT
 // float64 throughout, two passes (max, then exp-sum and weighted sum).
 void head_exact(const Problem& p, const std::vector<float>& qh, const std::vector<float>& kh,
@@ -82,43 +129,17 @@ void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector
   for (int64_t i = 0; i < p.Lq; ++i) {
     const RowMask rm = row_mask(p, mask, io.b, io.h, i);
     const float* qi = qh.data() + i * D;
-    float m = -INFINITY, l = 0.0f;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t j0 = 0; j0 < p.Lkv; j0 += kTile) {
-      const int64_t j1 = std::min(p.Lkv, j0 + kTile);
-      float tmax = -INFINITY;
-      bool any = false;
-      for (int64_t j = j0; j < j1; ++j) {
-        float& tj = t[size_t(j - j0)];
-        if (!rm.used(j)) {
-          tj = -INFINITY;
-          continue;
-        }
-        any = true;
-        float d = 0.0f;
-        const float* kj = kh.data() + j * D;
-        for (int64_t c = 0; c < D; ++c) d += qi[c] * kj[c];
-        tj = d == 0.0f ? 0.0f : d * cexp;  // cexp may be +inf for a huge scale: 0 * inf is no score
-        tmax = std::max(tmax, tj);
-      }
-      if (!any) continue;
-      const float mn = std::max(m, tmax);
-      if (mn == -INFINITY) continue;
-      const float alpha = (m == -INFINITY) ? 0.0f : stable_exp2(m, mn);
-      float psum = 0.0f;
-      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
-      for (int64_t j = j0; j < j1; ++j) {
-        const float tj = t[size_t(j - j0)];
-        if (tj == -INFINITY) continue;
-        const float pj = stable_exp2(tj, mn);
-        psum += pj;
-        const float pr = round_to(p.dtype, pj);
-        const float* vj = vh.data() + j * D;
-        for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += pr * vj[c];
-      }
-      l = l * alpha + psum;
-      m = mn;
-    }
+    float m, l;
+    online_softmax_row(
+        p, rm,
+        [&](int64_t j, int64_t) {
+          float d = 0.0f;
+          const float* kj = kh.data() + j * D;
+          for (int64_t c = 0; c < D; ++c) d += qi[c] * kj[c];
+          return d == 0.0f ? 0.0f : d * cexp;  // cexp may be +inf for a huge scale: 0 * inf is no score
+        },
+        [&](float pj) { return round_to(p.dtype, pj); }, [&](int64_t j) { return vh.data() + j * D; }, t, acc, m,
+        l);
     if (l == 0.0f) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       io.write_row(i, acc.data(), -INFINITY);
@@ -198,44 +219,18 @@ void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV&
       for (int64_t c = 0; c < D; ++c) q8[size_t(c)] = quant_i8(qi[c], inv);
     }
     const float qs = sq * cexp;
-    float m = -INFINITY, l = 0.0f;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t j0 = 0, tb = 0; j0 < p.Lkv; j0 += kTile, ++tb) {
-      const int64_t j1 = std::min(p.Lkv, j0 + kTile);
-      const float f = qs * kv.sk[size_t(tb)];
-      float tmax = -INFINITY;
-      bool any = false;
-      for (int64_t j = j0; j < j1; ++j) {
-        float& tj = t[size_t(j - j0)];
-        if (!rm.used(j)) {
-          tj = -INFINITY;
-          continue;
-        }
-        any = true;
-        int32_t d = 0;
-        const int8_t* kj = kv.k8.data() + j * D;
-        for (int64_t c = 0; c < D; ++c) d += int32_t(q8[size_t(c)]) * int32_t(kj[c]);
-        tj = d == 0 ? 0.0f : float(d) * f;  // f may overflow to +inf: 0 * inf is no score
-        tmax = std::max(tmax, tj);
-      }
-      if (!any) continue;
-      const float mn = std::max(m, tmax);
-      if (mn == -INFINITY) continue;
-      const float alpha = (m == -INFINITY) ? 0.0f : stable_exp2(m, mn);
-      float psum = 0.0f;
-      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
-      for (int64_t j = j0; j < j1; ++j) {
-        const float tj = t[size_t(j - j0)];
-        if (tj == -INFINITY) continue;
-        const float pj = stable_exp2(tj, mn);
-        psum += pj;
-        const float p8 = e4m3_round(pj * kFp8Max);
-        const float* vj = kv.v8.data() + j * D;
-        for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p8 * vj[c];
-      }
-      l = l * alpha + psum;
-      m = mn;
-    }
+    float m, l;
+    online_softmax_row(
+        p, rm,
+        [&](int64_t j, int64_t tb) {
+          const float f = qs * kv.sk[size_t(tb)];
+          int32_t d = 0;
+          const int8_t* kj = kv.k8.data() + j * D;
+          for (int64_t c = 0; c < D; ++c) d += int32_t(q8[size_t(c)]) * int32_t(kj[c]);
+          return d == 0 ? 0.0f : float(d) * f;  // f may overflow to +inf: 0 * inf is no score
+        },
+        [](float pj) { return e4m3_round(pj * kFp8Max); }, [&](int64_t j) { return kv.v8.data() + j * D; }, t, acc,
+        m, l);
     if (l == 0.0f) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       io.write_row(i, acc.data(), -INFINITY);
