@@ -21,21 +21,6 @@ bool checked_product(std::initializer_list<uint64_t> factors, uint64_t* out) {
   return true;
 }
 
-// Mirrors the bump allocation of plan_workspace (core/workspace.cpp) with
-// overflow checks; keep the two in step when regions are added.
-struct CheckedBump {
-  uint64_t top = 0;
-  bool ok = true;
-  void take(std::initializer_list<uint64_t> factors) {
-    uint64_t bytes = 0;
-    if (!checked_product(factors, &bytes)) {
-      ok = false;
-      return;
-    }
-    if (__builtin_add_overflow(top, bytes + 255u, &top) || top > kMaxBytes) ok = false;
-  }
-};
-
 int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 bool is_attention_dtype(int dt) {
@@ -152,34 +137,10 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
   bool ok = checked_product({B, Hq, Lq, D, es}, &tmp) && checked_product({B, Hkv, Lkv, D, es}, &tmp) &&
             checked_product({B, Hq, nQB, nKB}, &tmp) && checked_product({B, Hq, Lq, 4}, &tmp) &&
             checked_product({nQB, uint64_t(p.BQ)}, &tmp) && checked_product({nKB, uint64_t(p.BK)}, &tmp);
-  CheckedBump w;
-  w.take({1});
-  w.take({B, Hkv, D, 4});          // k_mean
-  w.take({B, Hq, nQB, D, 4});      // pooled_q
-  w.take({B, Hq, nQB, 4});         // sim_q
-  w.take({B, Hkv, nKB, D, 4});     // pooled_k
-  w.take({B, Hkv, nKB, 4});        // sim_k
-  w.take({B, Hq, nQB, nKB, 4});    // scores
-  w.take({B, Hq, nQB, nKB});       // mask
-  w.take({B, Hq, 4});              // kept
-  if (gpu) {
-    const uint64_t lq = nQB * uint64_t(kGpuBlockQ), lk = nKB * uint64_t(kGpuBlockK);
-    ok = ok && checked_product({nQB, uint64_t(kGpuBlockQ)}, &tmp) && checked_product({nKB, uint64_t(kGpuBlockK)}, &tmp);
-    if (ok) {
-      w.take({B, Hkv, D, 4});        // v_amax
-      w.take({B, Hq, lq, 4});        // q_scale
-      w.take({B, Hq, lq, 4});        // q_mu
-      w.take({B, Hkv, nKB, 4});      // k_scale
-      w.take({B, Hq, nQB, nKB, 4});  // idx
-      w.take({B, Hq, nQB, 4});       // cnt
-      w.take({B, Hq, nQB, 4});       // order
-      w.take({B, Hkv, uint64_t(ceil_div(p.Lkv, kGpuColChunk)), D, 12});  // col_part (double + float)
-      w.take({B, Hq, lq, D});        // q_i8
-      w.take({B, Hkv, lk, D});       // k_i8
-      w.take({B, Hkv, D, lk});       // v_f8
-    }
-  }
-  if (!ok || !w.ok)
+  if (gpu) ok = ok && checked_product({nQB, uint64_t(kGpuBlockQ)}, &tmp) && checked_product({nKB, uint64_t(kGpuBlockK)}, &tmp);
+  // The workspace layout checks its own byte counts (the same function plans use).
+  const bool ws_overflow = ok && plan_workspace(p).overflow;
+  if (!ok || ws_overflow)
     return fail(INV,
                 "problem sizes overflow 64-bit byte counts (batch=%" PRId64 ", heads_q=%" PRId64 ", heads_kv=%" PRId64
                 ", len_q=%" PRId64 ", len_kv=%" PRId64 ", head_dim=%" PRId64 ")",

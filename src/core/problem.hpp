@@ -116,6 +116,7 @@ SPARGE_HD int64_t topk_count(float topk, int64_t visible) {
 // the real use cannot drift. All offsets are 256-byte aligned; 0 bytes = unused.
 struct WorkspaceLayout {
   size_t total = 0;
+  bool overflow = false;  // a byte count exceeded 63 bits: the problem is rejected at plan creation
   // shared by both backends
   size_t k_mean = 0;    // float [B*Hkv, D]
   size_t pooled_q = 0;  // float [B*Hq, nQB, D]
