@@ -478,6 +478,21 @@ std::string api_error(const char* what, sparge_status_t st) {
   return os.str();
 }
 
+// Creates the plan and queries its workspace size; on failure fills R.status / R.error.
+template <class Result>
+bool open_plan(const sparge_problem_t& pr, PlanHolder& plan, size_t* ws_bytes, Result& R) {
+  sparge_status_t st = sparge_create_plan(&pr, &plan.p);
+  const char* what = "sparge_create_plan";
+  if (st == SPARGE_OK) {
+    st = sparge_plan_workspace_size(plan.p, ws_bytes);
+    what = "sparge_plan_workspace_size";
+  }
+  if (st == SPARGE_OK) return true;
+  R.status = st;
+  R.error = api_error(what, st);
+  return false;
+}
+
 sparge_problem_t problem_of(const Shape& s, sparge_dtype_t dtype, sparge_device_type_t dev, sparge_precision_t prec) {
   sparge_problem_t p = SPARGE_PROBLEM_INIT;
   p.batch = s.B;
@@ -517,19 +532,9 @@ AttnResult gpu_attention(const Inputs& in, const DeviceInputs& din, sparge_preci
   AttnResult R;
   sparge_problem_t pr = problem_of(s, in.q.dtype, SPARGE_DEVICE_CUDA, prec);
   PlanHolder plan;
-  sparge_status_t st = sparge_create_plan(&pr, &plan.p);
-  if (st != SPARGE_OK) {
-    R.status = st;
-    R.error = api_error("sparge_create_plan", st);
-    return R;
-  }
   size_t ws_bytes = 0;
-  st = sparge_plan_workspace_size(plan.p, &ws_bytes);
-  if (st != SPARGE_OK) {
-    R.status = st;
-    R.error = api_error("sparge_plan_workspace_size", st);
-    return R;
-  }
+  if (!open_plan(pr, plan, &ws_bytes, R)) return R;
+  sparge_status_t st = SPARGE_OK;
   // Workspace content is garbage on entry (0xA5), with a guard after it.
   DeviceBuffer ws(ws_bytes + kGuard);
   ws.fill(0xA5);
@@ -702,19 +707,9 @@ PredictResult gpu_predict(const Inputs& in, const DeviceInputs& din, sparge_prec
   PredictResult R;
   sparge_problem_t pr = problem_of(s, in.q.dtype, SPARGE_DEVICE_CUDA, prec);
   PlanHolder plan;
-  sparge_status_t st = sparge_create_plan(&pr, &plan.p);
-  if (st != SPARGE_OK) {
-    R.status = st;
-    R.error = api_error("sparge_create_plan", st);
-    return R;
-  }
   size_t ws_bytes = 0;
-  st = sparge_plan_workspace_size(plan.p, &ws_bytes);
-  if (st != SPARGE_OK) {
-    R.status = st;
-    R.error = api_error("sparge_plan_workspace_size", st);
-    return R;
-  }
+  if (!open_plan(pr, plan, &ws_bytes, R)) return R;
+  sparge_status_t st = SPARGE_OK;
   DeviceBuffer ws(ws_bytes + kGuard);
   ws.fill(0xA5);
   const int64_t pitch = padded_mask ? nKB + 3 : nKB;
