@@ -11,6 +11,7 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kTile = 64;  // online-softmax key tile (FP16 and INT8_FP8)
+constexpr int kInt8Fp8TilesPerStep = 2;  // INT8_FP8 steps over pairs of listed tiles (128 keys)
 constexpr float kLn2 = 0.693147180559945309f;
 
 // 2^(t - mx) for t <= mx. Equal to std::exp2(t - mx) whenever the difference is
@@ -30,32 +31,40 @@ struct HeadIO {
   }
 };
 
-// Base-2 online softmax of one query row over 64-key tiles aligned to
-// multiples of 64, in ascending order (docs/SEMANTICS.md, FP16 and INT8_FP8):
-// per tile m' = max(m, max_j t_j), alpha = 2^(m - m'), p_j = 2^(t_j - m'),
-// l = l*alpha + sum p_j (unrounded), acc = acc*alpha + sum round_p(p_j) * v_j.
-// score(j, tile) gives t_j for a used key j; v_row(j) its D values of V.
-// Leaves l == 0 when the row uses no key.
+// Base-2 online softmax of one query row (docs/SEMANTICS.md, FP16 and
+// INT8_FP8). The keys are visited in steps: step s covers the 64-key tiles
+// tiles[s*per_step .. s*per_step + per_step) (aligned to multiples of 64,
+// ascending). Per step m' = max(m, max_j t_j), alpha = 2^(m - m'),
+// p_j = 2^(t_j - m'), l = l*alpha + sum p_j (unrounded),
+// acc = acc*alpha + sum round_p(p_j) * v_j; a step without a used key is
+// skipped. score(j, tile) gives t_j for a used key j; v_row(j) its D values of
+// V. Leaves l == 0 when the row uses no key.
 template <class Score, class RoundP, class VRow>
-void online_softmax_row(const Problem& p, const RowMask& rm, Score score, RoundP round_p, VRow v_row,
-                        std::vector<float>& t, std::vector<float>& acc, float& m, float& l) {
+void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<int64_t>& tiles, int per_step,
+                        Score score, RoundP round_p, VRow v_row, std::vector<float>& t, std::vector<float>& acc,
+                        float& m, float& l) {
   const int64_t D = p.D;
   m = -INFINITY;
   l = 0.0f;
   std::fill(acc.begin(), acc.end(), 0.0f);
-  for (int64_t j0 = 0, tb = 0; j0 < p.Lkv; j0 += kTile, ++tb) {
-    const int64_t j1 = std::min(p.Lkv, j0 + kTile);
+  t.resize(size_t(per_step * kTile));
+  const size_t n_tiles = tiles.size();
+  for (size_t s0 = 0; s0 < n_tiles; s0 += size_t(per_step)) {
+    const size_t s1 = std::min(n_tiles, s0 + size_t(per_step));
     float tmax = -INFINITY;
     bool any = false;
-    for (int64_t j = j0; j < j1; ++j) {
-      float& tj = t[size_t(j - j0)];
-      if (!rm.used(j)) {
-        tj = -INFINITY;
-        continue;
+    for (size_t u = s0; u < s1; ++u) {
+      const int64_t tb = tiles[u], j0 = tb * kTile, j1 = std::min(p.Lkv, j0 + kTile);
+      for (int64_t j = j0; j < j1; ++j) {
+        float& tj = t[size_t(int64_t(u - s0) * kTile + (j - j0))];
+        if (!rm.used(j)) {
+          tj = -INFINITY;
+          continue;
+        }
+        any = true;
+        tj = score(j, tb);
+        tmax = std::max(tmax, tj);
       }
-      any = true;
-      tj = score(j, tb);
-      tmax = std::max(tmax, tj);
     }
     if (!any) continue;
     const float mn = std::max(m, tmax);
@@ -63,17 +72,44 @@ void online_softmax_row(const Problem& p, const RowMask& rm, Score score, RoundP
     const float alpha = (m == -INFINITY) ? 0.0f : stable_exp2(m, mn);
     float psum = 0.0f;
     for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
-    for (int64_t j = j0; j < j1; ++j) {
-      const float tj = t[size_t(j - j0)];
-      if (tj == -INFINITY) continue;
-      const float pj = stable_exp2(tj, mn);
-      psum += pj;
-      const float pr = round_p(pj);
-      const float* vj = v_row(j);
-      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += pr * vj[c];
+    for (size_t u = s0; u < s1; ++u) {
+      const int64_t tb = tiles[u], j0 = tb * kTile, j1 = std::min(p.Lkv, j0 + kTile);
+      for (int64_t j = j0; j < j1; ++j) {
+        const float tj = t[size_t(int64_t(u - s0) * kTile + (j - j0))];
+        if (tj == -INFINITY) continue;
+        const float pj = stable_exp2(tj, mn);
+        psum += pj;
+        const float pr = round_p(pj);
+        const float* vj = v_row(j);
+        for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += pr * vj[c];
+      }
     }
     l = l * alpha + psum;
     m = mn;
+  }
+}
+
+// Every 64-key tile, ascending (the FP16 mode steps over each alone).
+std::vector<int64_t> all_tiles(const Problem& p) {
+  std::vector<int64_t> tiles(size_t((p.Lkv + kTile - 1) / kTile));
+  for (size_t u = 0; u < tiles.size(); ++u) tiles[u] = int64_t(u);
+  return tiles;
+}
+
+// The listed tiles of query block qb (INT8_FP8): 64-key tiles holding a key of
+// a kept, causally visible block of the row, ascending. With 64-key mask
+// blocks these are the kept visible blocks themselves, i.e. the GPU's per-row
+// index list; consecutive pairs of it form the 128-key steps.
+void listed_tiles(const Problem& p, const MaskView& m, int64_t b, int64_t h, int64_t qb,
+                  std::vector<int64_t>& tiles) {
+  tiles.clear();
+  const int64_t vis = visible_key_blocks(p, qb);
+  const uint8_t* row = m.data + m.offset(b, h, qb, 0);
+  for (int64_t tb = 0; tb * kTile < p.Lkv; ++tb) {
+    const int64_t j0 = tb * kTile, j1 = std::min(p.Lkv, j0 + kTile) - 1;
+    bool listed = false;
+    for (int64_t kb = j0 / p.BK; kb <= j1 / p.BK && kb < vis; ++kb) listed |= row[kb * m.stride[3]] != 0;
+    if (listed) tiles.push_back(tb);
   }
 }
 
@@ -125,13 +161,14 @@ void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector
                const std::vector<float>& vh, const MaskView& mask, const HeadIO& io) {
   const int64_t D = p.D;
   const float cexp = p.scale * kLog2e;
-  std::vector<float> t(static_cast<size_t>(kTile)), acc(static_cast<size_t>(D));
+  std::vector<float> t, acc(static_cast<size_t>(D));
+  const std::vector<int64_t> tiles = all_tiles(p);
   for (int64_t i = 0; i < p.Lq; ++i) {
     const RowMask rm = row_mask(p, mask, io.b, io.h, i);
     const float* qi = qh.data() + i * D;
     float m, l;
     online_softmax_row(
-        p, rm,
+        p, rm, tiles, 1,
         [&](int64_t j, int64_t) {
           float d = 0.0f;
           const float* kj = kh.data() + j * D;
@@ -203,8 +240,10 @@ void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV&
   const int64_t D = p.D;
   const float cexp = p.scale * kLog2e;
   std::vector<int8_t> q8(static_cast<size_t>(D));
-  std::vector<float> t(static_cast<size_t>(kTile)), acc(static_cast<size_t>(D));
+  std::vector<float> t, acc(static_cast<size_t>(D));
+  std::vector<int64_t> tiles;
   for (int64_t i = 0; i < p.Lq; ++i) {
+    if (i == 0 || i % p.BQ == 0) listed_tiles(p, mask, io.b, io.h, i / p.BQ, tiles);
     const RowMask rm = row_mask(p, mask, io.b, io.h, i);
     const float* qi = qh.data() + i * D;
     // per-token Q quantization
@@ -221,7 +260,7 @@ void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV&
     const float qs = sq * cexp;
     float m, l;
     online_softmax_row(
-        p, rm,
+        p, rm, tiles, kInt8Fp8TilesPerStep,
         [&](int64_t j, int64_t tb) {
           const float f = qs * kv.sk[size_t(tb)];
           int32_t d = 0;
@@ -262,7 +301,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
     SPARGE_TRY(predict(plan, q, k, cfg, m, nullptr, workspace));
   }
   float* k_mean = ws_ptr<float>(workspace, plan.ws.k_mean);
-  if (p.precision == SPARGE_PRECISION_INT8_FP8 && mask) compute_k_mean(plan, k, cfg.smooth_k, k_mean);
+  if (p.quantized() && mask) compute_k_mean(plan, k, cfg.smooth_k, k_mean);
 
   parallel_for(p.B * p.Hq, [&](int64_t bh) {
     const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group();

@@ -118,10 +118,13 @@ TEST_CASE("twin: K codes per 64-key block on smoothed K", "[cpu][twin]") {
 namespace {
 
 // A second transcription of SEMANTICS.md's INT8_FP8 steps (one head, float
-// inputs given as dense arrays, every key of the row used unless masked).
+// inputs given as dense arrays, used[i, j] = key j used by query i, kept(qb, kb)
+// the block mask, bq x bk blocks).
+template <class Kept>
 void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
-                    const std::vector<float>& v, const std::vector<uint8_t>& used /* [Lq, Lkv] */, float scale,
-                    bool smooth, std::vector<float>& out, std::vector<float>& lse) {
+                    const std::vector<float>& v, const std::vector<uint8_t>& used /* [Lq, Lkv] */, Kept kept,
+                    int64_t bq, int64_t bk, bool causal, float scale, bool smooth, std::vector<float>& out,
+                    std::vector<float>& lse) {
   std::vector<float> mu(size_t(D), 0.0f);
   if (smooth)
     for (int64_t c = 0; c < D; ++c) {
@@ -158,32 +161,52 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
     const float sq = a == 0 ? 0.0f : a / 127.0f;
     if (a != 0)
       for (int64_t c = 0; c < D; ++c) q8[size_t(c)] = q8of(q[size_t(i * D + c)], 127.0f / a);
+    // Listed tiles of this row's query block: 64-key tiles holding a key of a
+    // kept block that some query of the block can see; steps are pairs of them.
+    const int64_t qb = i / bq, last_row = std::min(qb * bq + bq - 1, Lq - 1);
+    std::vector<int64_t> listed;
+    for (int64_t tb = 0; tb < nT; ++tb) {
+      bool any_key = false;
+      for (int64_t j = tb * 64; j < std::min(Lkv, tb * 64 + 64); ++j) {
+        const int64_t kb = j / bk;
+        any_key |= kept(qb, kb) && (!causal || kb * bk <= last_row + (Lkv - Lq));
+      }
+      if (any_key) listed.push_back(tb);
+    }
     float m = -INFINITY, l = 0;
     std::vector<float> acc(size_t(D), 0.0f);
-    for (int64_t tb = 0; tb < nT; ++tb) {
-      const int64_t j0 = tb * 64, j1 = std::min(Lkv, j0 + 64);
-      std::vector<float> t(64, -INFINITY);
+    for (size_t s0 = 0; s0 < listed.size(); s0 += 2) {
+      const size_t s1 = std::min(listed.size(), s0 + 2);
+      std::vector<float> t(128, -INFINITY);
       bool any = false;
       float tmax = -INFINITY;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (!used[size_t(i * Lkv + j)]) continue;
-        any = true;
-        int32_t dot = 0;
-        for (int64_t c = 0; c < D; ++c) dot += int32_t(q8[size_t(c)]) * int32_t(k8[size_t(j * D + c)]);
-        t[size_t(j - j0)] = float(dot) * ((sq * (scale * 1.4426950408889634f)) * sk[size_t(tb)]);
-        tmax = std::max(tmax, t[size_t(j - j0)]);
+      for (size_t u = s0; u < s1; ++u) {
+        const int64_t tb = listed[u], j0 = tb * 64, j1 = std::min(Lkv, j0 + 64);
+        for (int64_t j = j0; j < j1; ++j) {
+          if (!used[size_t(i * Lkv + j)]) continue;
+          any = true;
+          int32_t dot = 0;
+          for (int64_t c = 0; c < D; ++c) dot += int32_t(q8[size_t(c)]) * int32_t(k8[size_t(j * D + c)]);
+          const float tj = float(dot) * ((sq * (scale * 1.4426950408889634f)) * sk[size_t(tb)]);
+          t[size_t(int64_t(u - s0) * 64 + (j - j0))] = tj;
+          tmax = std::max(tmax, tj);
+        }
       }
       if (!any) continue;
       const float mn = std::max(m, tmax);
       const float alpha = m == -INFINITY ? 0.0f : std::exp2(m - mn);
       float ps = 0;
       for (int64_t c = 0; c < D; ++c) acc[size_t(c)] *= alpha;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (t[size_t(j - j0)] == -INFINITY) continue;
-        const float p = std::exp2(t[size_t(j - j0)] - mn);
-        ps += p;
-        const float p8 = e4m3_reference(p * 448.0f);
-        for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p8 * v8[size_t(j * D + c)];
+      for (size_t u = s0; u < s1; ++u) {
+        const int64_t tb = listed[u], j0 = tb * 64, j1 = std::min(Lkv, j0 + 64);
+        for (int64_t j = j0; j < j1; ++j) {
+          const float tj = t[size_t(int64_t(u - s0) * 64 + (j - j0))];
+          if (tj == -INFINITY) continue;
+          const float p = std::exp2(tj - mn);
+          ps += p;
+          const float p8 = e4m3_reference(p * 448.0f);
+          for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p8 * v8[size_t(j * D + c)];
+        }
       }
       l = l * alpha + ps;
       m = mn;
@@ -238,7 +261,8 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
       params.smooth_k = smooth;
       REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
       std::vector<float> ro, rl;
-      twin_reference(Lq, Lkv, D, q, k, v, used, 0.2f, smooth, ro, rl);
+      auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
+      twin_reference(Lq, Lkv, D, q, k, v, used, kept, 32, 16, causal, 0.2f, smooth, ro, rl);
       int64_t mismatches = 0;
       for (int64_t i = 0; i < Lq; ++i) {
         const float a = lse.get(0, 0, i), b = rl[size_t(i)];

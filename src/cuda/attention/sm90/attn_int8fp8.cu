@@ -43,14 +43,16 @@ constexpr uint32_t kConsumerRegs = 240;
 constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
 
 // Consumer schedules (see docs/KERNELS-SM90.md):
-//   kSerial     one tile at a time: Q.K^T, softmax, P.V, each waited for;
-//   kOverlap    softmax of tile t while P.V of tile t-1 runs (per warpgroup);
-//   kPingPong   kOverlap plus turn-taking between the two consumer warpgroups;
-//   kWide       128 keys per step (two kept 64-key blocks side by side), the
-//               warpgroups taking turns to issue P.V(u-1) and Q.K^T(u) back to
-//               back; one P buffer (no intra-warpgroup overlap) keeps the
-//               wider accumulators within the register budget.
-enum Schedule : int { kSerial = 0, kOverlap = 1, kPingPong = 2, kWide = 3 };
+//   kWide       (default, the specified rounding) 128 keys per step: two
+//               listed 64-key blocks side by side, the warpgroups taking turns
+//               to issue P.V(u-1) and Q.K^T(u) back to back; one P buffer (no
+//               intra-warpgroup overlap) keeps the wider accumulators within
+//               the register budget;
+//   kPingPong   64 keys per step, softmax of tile t while P.V of tile t-1 runs
+//               plus turn-taking between the warpgroups. Kept for A/B
+//               measurements only: its P rounding follows a 64-key running
+//               max, which is not the specified one.
+enum Schedule : int { kPingPong = 2, kWide = 3 };
 template <int kSchedule>
 struct KeysPerStep {
   static constexpr int value = kSchedule == kWide ? 128 : 64;
@@ -448,20 +450,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(&empty[sp]);
         c.accumulate(al0, al1);
       }
-    } else if constexpr (kSchedule != kSerial) {
-      // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs),
-      // with (kPingPong) or without (kOverlap) turn-taking between the two
-      // consumer warpgroups.
-      constexpr bool kTurns = (kSchedule == kPingPong);
-      if (kTurns && me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+    } else {
+      // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
+      // and turn-taking between the two consumer warpgroups.
+      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
       mbar_wait(&full[0], 0);
       {
         const uint64_t dk = c.desc_k(0);
-        if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
+        named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_qk(dk);
         wgmma_commit();
-        if (kTurns) named_bar_arrive(kTurnBar0 + other, 256);
+        named_bar_arrive(kTurnBar0 + other, 256);
         wgmma_wait<0>();
         fence_regs(c.acc);
       }
@@ -479,13 +479,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = t % kStages, sp = (t - 1) % kStages;
         mbar_wait(&full[s], (t / kStages) & 1);
         const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
-        if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
+        named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_qk(dk);
         wgmma_commit();
         c.issue_pv(dv, pin);
         wgmma_commit();
-        if (kTurns) named_bar_arrive(kTurnBar0 + other, 256);
+        named_bar_arrive(kTurnBar0 + other, 256);
         wgmma_wait<1>();
         fence_regs(c.acc);
         int kbt[kHalves];
@@ -499,11 +499,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto last = [&](const uint32_t(&pin)[C::KS][4], float ain0, float ain1) {
         const int sp = (n_steps - 1) % kStages;
         const uint64_t dv = c.desc_v(sp);
-        if (kTurns) named_bar_sync(kTurnBar0 + me, 256);
+        named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_pv(dv, pin);
         wgmma_commit();
-        if (kTurns && me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
         wgmma_wait<0>();
         fence_regs(c.o_tile);
         mbar_arrive(&empty[sp]);
@@ -519,29 +519,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         last(pa_b, al_b0, al_b1);
       } else {
         last(pa_a, al_a0, al_a1);
-      }
-    } else {
-      for (int t = 0; t < n_steps; ++t) {
-        const int s = t % kStages;
-        mbar_wait(&full[s], (t / kStages) & 1);
-        const uint64_t dk = c.desc_k(s), dv = c.desc_v(s);
-        wgmma_fence();
-        c.issue_qk(dk);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(c.acc);
-        uint32_t pa[C::KS][4];
-        float alpha0, alpha1;
-        int kb[kHalves];
-        blocks(t, kb);
-        c.softmax(kb, pa, alpha0, alpha1);
-        wgmma_fence();
-        c.issue_pv(dv, pa);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(c.o_tile);
-        mbar_arrive(&empty[s]);
-        c.accumulate(alpha0, alpha1);
       }
     }
   }
@@ -606,15 +583,13 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   return SPARGE_OK;
 }
 
-// Consumer schedule: SPARGE_SM90_SCHEDULE = pingpong (default), overlap,
-// wide or serial. A developer switch for A/B measurements, read once.
+// Consumer schedule: SPARGE_SM90_SCHEDULE = wide (default) or pingpong. A
+// developer switch for A/B measurements, read once.
 int schedule_from_env() {
   static const int schedule = [] {
     const char* e = std::getenv("SPARGE_SM90_SCHEDULE");
-    if (e != nullptr && std::strcmp(e, "serial") == 0) return int(kSerial);
-    if (e != nullptr && std::strcmp(e, "overlap") == 0) return int(kOverlap);
-    if (e != nullptr && std::strcmp(e, "wide") == 0) return int(kWide);
-    return int(kPingPong);
+    if (e != nullptr && std::strcmp(e, "pingpong") == 0) return int(kPingPong);
+    return int(kWide);
   }();
   return schedule;
 }
@@ -656,12 +631,8 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
   const int schedule = sm90::schedule_from_env();
 #define SPARGE_SM90_LAUNCH(D_, C_)                                                               \
-  switch (schedule) {                                                                           \
-    case sm90::kSerial: return sm90::launch<D_, C_, sm90::kSerial>(a, prm, stream);             \
-    case sm90::kOverlap: return sm90::launch<D_, C_, sm90::kOverlap>(a, prm, stream);           \
-    case sm90::kWide: return sm90::launch<D_, C_, sm90::kWide>(a, prm, stream);                 \
-    default: return sm90::launch<D_, C_, sm90::kPingPong>(a, prm, stream);                      \
-  }
+  if (schedule == sm90::kPingPong) return sm90::launch<D_, C_, sm90::kPingPong>(a, prm, stream); \
+  return sm90::launch<D_, C_, sm90::kWide>(a, prm, stream);
   if (pb.D == 128) {
     if (pb.causal) SPARGE_SM90_LAUNCH(128, true);
     SPARGE_SM90_LAUNCH(128, false);
