@@ -79,7 +79,11 @@ typedef enum sparge_precision {
   /* Q, K, P, V in the input's 16-bit type, fp32 accumulation. */
   SPARGE_PRECISION_FP16 = 1,
   /* No rounding at all: float64 accumulation. CPU backend only. */
-  SPARGE_PRECISION_EXACT = 2
+  SPARGE_PRECISION_EXACT = 2,
+  /* INT8_FP8 with V carried as two e4m3 terms (v ~ hi + lo, both on the same
+   * per-channel scale): one more fp8 P.V product per key tile, twice the fp8
+   * V workspace, about 2x smaller P.V error (docs/ACCURACY.md). */
+  SPARGE_PRECISION_INT8_FP8_SPLIT_V = 3
 } sparge_precision_t;
 
 typedef enum sparge_select_mode {

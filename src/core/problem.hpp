@@ -36,6 +36,11 @@ struct Problem {
   int BQ = 128, BK = 64;  // resolved mask block sizes
   int64_t nQB = 0, nKB = 0;
   int64_t group() const { return Hq / Hkv; }
+  // INT8_FP8 or INT8_FP8_SPLIT_V: int8 Q.K^T, fp8 P.V.
+  SPARGE_HD bool quantized() const {
+    return precision == SPARGE_PRECISION_INT8_FP8 || precision == SPARGE_PRECISION_INT8_FP8_SPLIT_V;
+  }
+  SPARGE_HD bool split_v() const { return precision == SPARGE_PRECISION_INT8_FP8_SPLIT_V; }
 };
 
 // A validated 4-D view [B, H, L, D] (strides in elements, stride[3] == 1).
@@ -134,6 +139,7 @@ struct WorkspaceLayout {
   size_t k_i8 = 0;      // int8  [B*Hkv, nKB*64, D]   (smoothed, pad rows zero)
   size_t k_scale = 0;   // float [B*Hkv, nKB]        per-64-key-block dequant scale
   size_t v_f8 = 0;      // fp8   [B*Hkv, D, nKB*64]   transposed, token-permuted
+  size_t v_f8_lo = 0;   // fp8   like v_f8: the second term of split V (INT8_FP8_SPLIT_V)
   size_t idx = 0;       // int32 [B*Hq, nQB, nKB]    kept key blocks, ascending
   size_t cnt = 0;       // int32 [B*Hq, nQB]
   size_t order = 0;     // int32 [B*Hq*nQB]          work order, heaviest first

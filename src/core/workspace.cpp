@@ -53,10 +53,11 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     w.cnt = a.take({B, Hq, nQB, i32});
     w.order = a.take({B, Hq, nQB, i32});
     w.col_part = a.take({B, Hkv, nchunk, D, sizeof(double) + sizeof(float)});
-    if (p.precision == SPARGE_PRECISION_INT8_FP8) {
+    if (p.quantized()) {
       w.q_i8 = a.take({B, Hq, nQB, kGpuBlockQ, D});
       w.k_i8 = a.take({B, Hkv, nKB, kGpuBlockK, D});
       w.v_f8 = a.take({B, Hkv, D, nKB, kGpuBlockK});
+      if (p.split_v()) w.v_f8_lo = a.take({B, Hkv, D, nKB, kGpuBlockK});
     }
   }
   uint64_t total = 0;

@@ -188,11 +188,12 @@ void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector
 }
 
 // ---------------------------------------------------------------- INT8_FP8 twin
-// The rounding steps of the fast GPU mode, exactly as listed in SEMANTICS.md.
+// The rounding steps of the fast GPU modes (INT8_FP8 and INT8_FP8_SPLIT_V),
+// exactly as listed in SEMANTICS.md.
 struct QuantKV {
   std::vector<int8_t> k8;   // [Lkv, D] smoothed, per-64-key-block scale
   std::vector<float> sk;    // [nTiles]
-  std::vector<float> v8;    // [Lkv, D] float(e4m3(v * 448 / amax_c))
+  std::vector<float> v8;    // [Lkv, D] float(e4m3(y)), y = v * 448 / amax_c; split V: + float(e4m3(y - hi))
   std::vector<float> sv;    // [D] amax_c / 448
 };
 
@@ -231,7 +232,11 @@ void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vect
     if (a == 0.0f) continue;
     qkv.sv[size_t(c)] = a / kFp8Max;
     const float inv = kFp8Max / a;
-    for (int64_t j = 0; j < p.Lkv; ++j) qkv.v8[size_t(j * D + c)] = e4m3_round(vh[size_t(j * D + c)] * inv);
+    for (int64_t j = 0; j < p.Lkv; ++j) {
+      const float y = vh[size_t(j * D + c)] * inv, hi = e4m3_round(y);
+      // Split V: hi + lo is exact in float32 (lo is below half an e4m3 ulp of hi).
+      qkv.v8[size_t(j * D + c)] = p.split_v() ? hi + e4m3_round(y - hi) : hi;
+    }
   }
 }
 

@@ -74,8 +74,8 @@ sparge_status_t check_device(const Problem& p, int* sm_version) {
                 "CUDA device %d (%s) has compute capability %d.%d; this build carries sm_90a code only "
                 "(compute capability 9.0)",
                 p.device_id, prop.name, prop.major, prop.minor);
-  if (p.precision != SPARGE_PRECISION_INT8_FP8 && p.precision != SPARGE_PRECISION_FP16)
-    return fail(SPARGE_ERR_UNSUPPORTED, "precision %d: the CUDA backend runs INT8_FP8 and FP16 only",
+  if (!p.quantized() && p.precision != SPARGE_PRECISION_FP16)
+    return fail(SPARGE_ERR_UNSUPPORTED, "precision %d: the CUDA backend runs INT8_FP8, INT8_FP8_SPLIT_V and FP16 only",
                 int(p.precision));
   return predict_supported(p);
 }
@@ -122,7 +122,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   DeviceGuard guard;
   SPARGE_TRY(guard.enter(p.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const bool int8 = p.precision == SPARGE_PRECISION_INT8_FP8;
+  const bool int8 = p.quantized();
 
   if (int8)
     SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true));
@@ -150,6 +150,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
     a.k_i8 = ws_ptr<const int8_t>(workspace, L.k_i8);
     a.k_scale = ws_ptr<const float>(workspace, L.k_scale);
     a.v_f8 = ws_ptr<const uint8_t>(workspace, L.v_f8);
+    if (p.split_v()) a.v_f8_lo = ws_ptr<const uint8_t>(workspace, L.v_f8_lo);
     a.v_amax = ws_ptr<const float>(workspace, L.v_amax);
   }
   a.q = q;

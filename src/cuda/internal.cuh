@@ -29,6 +29,7 @@ struct AttnArgs {
   const int8_t* k_i8 = nullptr;    // [B*Hkv, nKB*64, D]
   const float* k_scale = nullptr;  // [B*Hkv, nKB]
   const uint8_t* v_f8 = nullptr;   // [B*Hkv, D, nKB*64] e4m3, token-permuted in groups of 32
+  const uint8_t* v_f8_lo = nullptr;  // like v_f8: e4m3(v*448/amax - hi), INT8_FP8_SPLIT_V only
   const float* v_amax = nullptr;   // [B*Hkv, D] per-channel max |v| (dequant: amax/448)
   // FP16 operands (the inputs themselves)
   Tensor4 q, k, v;

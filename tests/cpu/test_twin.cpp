@@ -123,8 +123,8 @@ namespace {
 template <class Kept>
 void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
                     const std::vector<float>& v, const std::vector<uint8_t>& used /* [Lq, Lkv] */, Kept kept,
-                    int64_t bq, int64_t bk, bool causal, float scale, bool smooth, std::vector<float>& out,
-                    std::vector<float>& lse) {
+                    int64_t bq, int64_t bk, bool causal, float scale, bool smooth, bool split_v,
+                    std::vector<float>& out, std::vector<float>& lse) {
   std::vector<float> mu(size_t(D), 0.0f);
   if (smooth)
     for (int64_t c = 0; c < D; ++c) {
@@ -150,7 +150,10 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
     for (int64_t j = 0; j < Lkv; ++j) a = std::max(a, std::fabs(v[size_t(j * D + c)]));
     if (a == 0) continue;
     sv[size_t(c)] = a / 448.0f;
-    for (int64_t j = 0; j < Lkv; ++j) v8[size_t(j * D + c)] = e4m3_reference(v[size_t(j * D + c)] * (448.0f / a));
+    for (int64_t j = 0; j < Lkv; ++j) {
+      const float y = v[size_t(j * D + c)] * (448.0f / a), hi = e4m3_reference(y);
+      v8[size_t(j * D + c)] = split_v ? hi + e4m3_reference(y - hi) : hi;
+    }
   }
   out.assign(size_t(Lq * D), 0.0f);
   lse.assign(size_t(Lq), -INFINITY);
@@ -226,11 +229,13 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (bool split_v : {false, true})
   for (bool causal : {false, true})
     for (bool smooth : {false, true}) {
-      INFO("causal " << causal << " smooth " << smooth);
+      INFO("split_v " << split_v << " causal " << causal << " smooth " << smooth);
       const int64_t Lq = 150, Lkv = 200, D = 40;
-      auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_INT8_FP8, causal);
+      auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32,
+                              split_v ? SPARGE_PRECISION_INT8_FP8_SPLIT_V : SPARGE_PRECISION_INT8_FP8, causal);
       prob.block_q = 32;
       prob.block_k = 16;
       prob.scale = 0.2f;
@@ -262,7 +267,7 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
       REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
       std::vector<float> ro, rl;
       auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
-      twin_reference(Lq, Lkv, D, q, k, v, used, kept, 32, 16, causal, 0.2f, smooth, ro, rl);
+      twin_reference(Lq, Lkv, D, q, k, v, used, kept, 32, 16, causal, 0.2f, smooth, split_v, ro, rl);
       int64_t mismatches = 0;
       for (int64_t i = 0; i < Lq; ++i) {
         const float a = lse.get(0, 0, i), b = rl[size_t(i)];

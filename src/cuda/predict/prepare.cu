@@ -434,10 +434,17 @@ struct VArgs {
   int64_t Hkv, Lkv, lk_pad, ntile;
   const float* v_amax;  // [B*Hkv, D]
   uint8_t* v_f8;        // [B*Hkv, D, lk_pad]
+  uint8_t* v_f8_lo;     // [B*Hkv, D, lk_pad] or null: split V's second term
 };
 
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+
+// An e4m3 code as float (exact: every e4m3 value is an fp16 value).
+__device__ __forceinline__ float e4m3_to_float(uint8_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(code), __NV_E4M3);
+  return __half2float(__half(h));
 }
 
 // One CTA of D/8 warps per (b, hkv, tile of 128 token slots). Warp w owns
@@ -477,14 +484,25 @@ __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
   float x[4][8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) unpack8<T>(raw[i], x[i]);
-  uint8_t* dst = a.v_f8 + (bhk * D + c0) * a.lk_pad + s0;
+  const int64_t off = (bhk * D + c0) * a.lk_pad + s0;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    uint32_t w = 0;
+    uint32_t w = 0, wl = 0;
     if (nz[c]) {
-      w = e4m3x2(x[0][c] * inv[c], x[1][c] * inv[c]) | (e4m3x2(x[2][c] * inv[c], x[3][c] * inv[c]) << 16);
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[i] = x[i][c] * inv[c];
+      w = e4m3x2(y[0], y[1]) | (e4m3x2(y[2], y[3]) << 16);
+      if (a.v_f8_lo != nullptr) {
+        // Split V: lo = e4m3(y - hi); y - hi is exact in float32.
+        float r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[i] = y[i] - e4m3_to_float(uint8_t(w >> (8 * i)));
+        wl = e4m3x2(r[0], r[1]) | (e4m3x2(r[2], r[3]) << 16);
+      }
     }
-    *reinterpret_cast<uint32_t*>(dst + int64_t(c) * a.lk_pad) = w;
+    *reinterpret_cast<uint32_t*>(a.v_f8 + off + int64_t(c) * a.lk_pad) = w;
+    if (a.v_f8_lo != nullptr) *reinterpret_cast<uint32_t*>(a.v_f8_lo + off + int64_t(c) * a.lk_pad) = wl;
   }
 }
 
@@ -633,6 +651,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     va.Hkv = p.Hkv, va.Lkv = p.Lkv, va.lk_pad = lk_pad, va.ntile = ceil_div(lk_pad, 128);
     va.v_amax = v_amax;
     va.v_f8 = ws_ptr<uint8_t>(base, L.v_f8);
+    va.v_f8_lo = p.split_v() ? ws_ptr<uint8_t>(base, L.v_f8_lo) : nullptr;
     const bool vec = vec_ok(*v);
     if (!grid_ok(bhk * va.ntile)) return fail(SPARGE_ERR_UNSUPPORTED, "V pass grid too large");
     dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {

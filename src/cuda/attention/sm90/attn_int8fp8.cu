@@ -59,18 +59,20 @@ struct KeysPerStep {
 };
 
 // A stage holds kKeys/64 K tiles (64 x D int8, stacked: one 128-row operand
-// when kKeys = 128) and as many V^T tiles (D x 64 fp8, one after the other).
-template <int D, int kKeys>
+// when kKeys = 128) and as many V^T tiles (D x 64 fp8, one after the other),
+// times kVTerms (split V: the hi tiles, then the lo tiles).
+template <int D, int kKeys, int kVTerms>
 struct SmemLayout {
   static constexpr int kQBytes = kBQ * D;
   static constexpr int kKTile = kBK * D;
   static constexpr int kVTile = D * kBK;
   static constexpr int kKBytes = kKeys * D;
-  static constexpr int kVBytes = D * kKeys;
+  static constexpr int kVBytes = D * kKeys;       // one term
+  static constexpr int kVStage = kVTerms * kVBytes;
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
-  static constexpr int kBar = kV + kStages * kVBytes;
+  static constexpr int kBar = kV + kStages * kVStage;
   static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
 };
@@ -95,9 +97,9 @@ struct Params {
 // Per-thread state of one consumer warpgroup (64 query rows). Register j of
 // an m64nN accumulator holds row (j & 2 ? row1 : row0) and column
 // 8*(j/4) + 2*quad + (j & 1), where row0 = 16*warp + lane/4 and row1 = row0 + 8.
-template <int D, bool kCausal, int kKeys>
+template <int D, bool kCausal, int kKeys, int kVTerms>
 struct Consumer {
-  using L = SmemLayout<D, kKeys>;
+  using L = SmemLayout<D, kKeys, kVTerms>;
   static constexpr int kHalves = kKeys / 64;  // 64-key blocks per step
   static constexpr int NS = kKeys / 2;        // S accumulator registers per thread
   static constexpr int KS = kKeys / 32;       // k-steps of P.V
@@ -150,7 +152,7 @@ struct Consumer {
     return make_smem_desc(sk + s * L::kKBytes, kSwz, kSboQK);
   }
   __device__ __forceinline__ uint64_t desc_v(int s) const {
-    return make_smem_desc(sv + s * L::kVBytes, kSwizzle64B, kSboV);
+    return make_smem_desc(sv + s * L::kVStage, kSwizzle64B, kSboV);
   }
 
   // S = Q K^T (int8, s32 accumulate). Caller fences before and commits after.
@@ -165,16 +167,20 @@ struct Consumer {
     }
   }
 
-  // O_tile = P V (fp8, fresh accumulator). Caller fences before and commits
-  // after. k-step ks reads V^T tile ks/2 at byte offset 32*(ks%2).
+  // O_tile = P V (fp8, fresh accumulator; split V: P V_hi + P V_lo into the
+  // same accumulator). Caller fences before and commits after. k-step ks of
+  // term tt reads V^T tile ks/2 of that term at byte offset 32*(ks%2).
   __device__ __forceinline__ void issue_pv(uint64_t dv, const uint32_t (&pa)[KS][4]) {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const uint64_t d = dv + uint64_t(((ks / 2) * L::kVTile + (ks % 2) * 32) >> 4);
-      if constexpr (D == 128) {
-        wgmma_m64n128k32_e4m3_rs(o_tile, pa[ks], d, ks > 0);
-      } else {
-        wgmma_m64n64k32_e4m3_rs(o_tile, pa[ks], d, ks > 0);
+    for (int tt = 0; tt < kVTerms; ++tt) {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint64_t d = dv + uint64_t((tt * L::kVBytes + (ks / 2) * L::kVTile + (ks % 2) * 32) >> 4);
+        if constexpr (D == 128) {
+          wgmma_m64n128k32_e4m3_rs(o_tile, pa[ks], d, tt > 0 || ks > 0);
+        } else {
+          wgmma_m64n64k32_e4m3_rs(o_tile, pa[ks], d, tt > 0 || ks > 0);
+        }
       }
     }
   }
@@ -317,15 +323,16 @@ struct Consumer {
   }
 };
 
-template <int D, bool kCausal, int kSchedule>
+template <int D, bool kCausal, int kSchedule, int kVTerms>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_int8fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                        const __grid_constant__ CUtensorMap tm_v, const Params p) {
+                        const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_vlo,
+                        const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kKeys = KeysPerStep<kSchedule>::value;
   constexpr int kHalves = kKeys / 64;
-  using L = SmemLayout<D, kKeys>;
-  using C = Consumer<D, kCausal, kKeys>;
+  using L = SmemLayout<D, kKeys, kVTerms>;
+  using C = Consumer<D, kCausal, kKeys, kVTerms>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sq = smem + L::kQ;
@@ -365,12 +372,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_prefetch_map(&tm_q);
       tma_prefetch_map(&tm_k);
       tma_prefetch_map(&tm_v);
+      if (kVTerms == 2) tma_prefetch_map(&tm_vlo);
       mbar_arrive_expect_tx(qbar, L::kQBytes);
       tma_load_2d(sq, &tm_q, qbar, 0, row_id * kBQ);
       for (int u = 0; u < n_steps; ++u) {
         const int s = u % kStages;
         if (u >= kStages) mbar_wait(&empty[s], ((u / kStages) - 1) & 1);
-        mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVBytes);
+        mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVStage);
 #pragma unroll
         for (int hh = 0; hh < kHalves; ++hh) {
           // A missing second block loads the first again (finite data; its
@@ -378,7 +386,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int kbh = block_of(u, hh);
           const int kb = kbh >= 0 ? kbh : block_of(u, 0);
           tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
-          tma_load_2d(sv + s * L::kVBytes + hh * L::kVTile, &tm_v, &full[s], kb * kBK, bhkv * D);
+          tma_load_2d(sv + s * L::kVStage + hh * L::kVTile, &tm_v, &full[s], kb * kBK, bhkv * D);
+          if (kVTerms == 2)
+            tma_load_2d(sv + s * L::kVStage + L::kVBytes + hh * L::kVTile, &tm_vlo, &full[s], kb * kBK, bhkv * D);
         }
       }
     }
@@ -563,22 +573,29 @@ sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
   return SPARGE_OK;
 }
 
-template <int D, bool kCausal, int kSchedule>
+template <int D, bool kCausal, int kSchedule, int kVTerms>
 sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream) {
-  using L = SmemLayout<D, KeysPerStep<kSchedule>::value>;
+  using L = SmemLayout<D, KeysPerStep<kSchedule>::value, kVTerms>;
+  static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
   EncodeTiledFn enc = nullptr;
   SPARGE_TRY(get_encode_fn(&enc));
   const Problem& pb = a.prob;
   const uint64_t bhq = uint64_t(pb.B * pb.Hq), bhk = uint64_t(pb.B * pb.Hkv);
   const CUtensorMapSwizzle swz = (D == 128) ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-  CUtensorMap tq, tk, tv;
+  CUtensorMap tq, tk, tv, tvlo;
   SPARGE_TRY(make_map(enc, &tq, a.q_i8, D, bhq * pb.nQB * kBQ, D, kBQ, swz, "q"));
   SPARGE_TRY(make_map(enc, &tk, a.k_i8, D, bhk * pb.nKB * kBK, D, kBK, swz, "k"));
   SPARGE_TRY(make_map(enc, &tv, a.v_f8, uint64_t(pb.nKB) * kBK, bhk * D, kBK, D, CU_TENSOR_MAP_SWIZZLE_64B, "v"));
-  auto kernel = attn_int8fp8_kernel<D, kCausal, kSchedule>;
+  if (kVTerms == 2) {
+    SPARGE_TRY(make_map(enc, &tvlo, a.v_f8_lo, uint64_t(pb.nKB) * kBK, bhk * D, kBK, D, CU_TENSOR_MAP_SWIZZLE_64B,
+                        "v_lo"));
+  } else {
+    tvlo = tv;  // unused
+  }
+  auto kernel = attn_int8fp8_kernel<D, kCausal, kSchedule, kVTerms>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
   const unsigned grid = static_cast<unsigned>(bhq * pb.nQB);
-  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, prm);
+  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, tvlo, prm);
   SPARGE_LAUNCH_CHECK("attn_int8fp8_kernel");
   return SPARGE_OK;
 }
@@ -630,9 +647,11 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   prm.scale_log2 = pb.scale * kLog2e;
   prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
   const int schedule = sm90::schedule_from_env();
-#define SPARGE_SM90_LAUNCH(D_, C_)                                                               \
-  if (schedule == sm90::kPingPong) return sm90::launch<D_, C_, sm90::kPingPong>(a, prm, stream); \
-  return sm90::launch<D_, C_, sm90::kWide>(a, prm, stream);
+  // Split V runs the wide schedule only (the pingpong A/B switch is ignored).
+#define SPARGE_SM90_LAUNCH(D_, C_)                                                                   \
+  if (pb.split_v()) return sm90::launch<D_, C_, sm90::kWide, 2>(a, prm, stream);                   \
+  if (schedule == sm90::kPingPong) return sm90::launch<D_, C_, sm90::kPingPong, 1>(a, prm, stream); \
+  return sm90::launch<D_, C_, sm90::kWide, 1>(a, prm, stream);
   if (pb.D == 128) {
     if (pb.causal) SPARGE_SM90_LAUNCH(128, true);
     SPARGE_SM90_LAUNCH(128, false);
