@@ -201,6 +201,10 @@ if want bench; then
     run_to "$LOG/bench.log" "$(allow 200)" "$BENCH" --csv "$LOG/bench.csv" --tag "$COMMIT" ${BENCH_ARGS:-}
     rc=$?
     ((rc == 0)) && res+=("sparge_bench ok") || res+=("sparge_bench rc=$rc")
+    # A/B: the 64-key pingpong schedule (not the specified rounding) on the dense workloads.
+    run_to "$LOG/bench.log" "$(allow 60)" env SPARGE_SM90_SCHEDULE=pingpong "$BENCH" --modes dense --tag pingpong
+    rc=$?
+    ((rc == 0)) && res+=("pingpong A/B ok") || res+=("pingpong A/B rc=$rc")
     run_to "$LOG/bench.log" "$(allow 150)" env PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench/anchors.py" \
       --lib "$BUILD/libsparge.so" --ours "$LOG/bench.csv" --csv "$LOG/anchors.csv"
     rc=$?

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------- C API (ctypes)
 SPARGE_DTYPE_FLOAT16, SPARGE_DTYPE_BFLOAT16, SPARGE_DTYPE_FLOAT32, SPARGE_DTYPE_UINT8, SPARGE_DTYPE_INT32 = range(5)
 SPARGE_DEVICE_CUDA = 1
-SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16 = 0, 1
+SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16, SPARGE_PRECISION_INT8_FP8_SPLIT_V = 0, 1, 3
 
 
 class Tensor(ctypes.Structure):
@@ -242,6 +242,9 @@ def accuracy(args, rows):
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
             cases = [("libsparge int8_fp8, all blocks", lambda: sp.attention(q, k, v, SPARGE_PRECISION_INT8_FP8,
                                                                               causal, ones), "cos>=0.9995, L1<=0.03"),
+                     ("libsparge int8_fp8_split_v, all blocks",
+                      lambda: sp.attention(q, k, v, SPARGE_PRECISION_INT8_FP8_SPLIT_V, causal, ones),
+                      "cos>=0.9995, L1<=0.03"),
                      ("libsparge fp16, all blocks", lambda: sp.attention(q, k, v, SPARGE_PRECISION_FP16, causal, ones),
                       "L1<=0.005"),
                      ("libsparge int8_fp8, topk 0.5", lambda: sp.attention(q, k, v, SPARGE_PRECISION_INT8_FP8, causal,

@@ -8,6 +8,7 @@
 //   predict    mask prediction alone (topk)
 //   pred+attn  attention with the mask predicted inside (mask = NULL, topk)
 //   fp16       fp16-mode attention on an all-ones mask
+//   splitv     int8_fp8_split_v attention on an all-ones mask
 // Each measurement: warm-up, then the median of many iterations (each timed by
 // its own pair of events), rotating among several input sets when one set is
 // small against the L2 cache. Prints a markdown table; --csv writes CSV.
@@ -34,7 +35,7 @@ struct Options {
   std::vector<int64_t> ns = {8192, 16384, 32768};
   std::vector<int64_t> ds = {128, 64};
   std::vector<int> causal = {0, 1};
-  std::vector<std::string> modes = {"dense", "d0.5", "d0.2", "d0.1", "predict", "pred+attn", "fp16"};
+  std::vector<std::string> modes = {"dense", "d0.5", "d0.2", "d0.1", "predict", "pred+attn", "fp16", "splitv"};
   int64_t batch = 1, heads = 32;
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
@@ -71,7 +72,7 @@ void usage() {
       "  --n64k            add N = 64K\n"
       "  --d LIST          head dims (default 128,64)\n"
       "  --causal LIST     0,1 (default both)\n"
-      "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16 (default all)\n"
+      "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16,splitv (default all)\n"
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
       "  --lse             also write the LSE output\n"
@@ -306,17 +307,21 @@ int main(int argc, char** argv) {
         sparge_problem_t pr = SPARGE_PROBLEM_INIT;
         pr.batch = B, pr.heads_q = H, pr.heads_kv = H, pr.len_q = N, pr.len_kv = N, pr.head_dim = D;
         pr.dtype = o.dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.causal = causal;
-        sparge_plan_t plan8 = nullptr, plan16 = nullptr;
+        sparge_plan_t plan8 = nullptr, plan16 = nullptr, plan_sv = nullptr;
         pr.precision = SPARGE_PRECISION_INT8_FP8;
         const sparge_status_t s8 = sparge_create_plan(&pr, &plan8);
         const std::string e8 = s8 == SPARGE_OK ? "" : sparge_last_error();
         pr.precision = SPARGE_PRECISION_FP16;
         const sparge_status_t s16 = sparge_create_plan(&pr, &plan16);
         const std::string e16 = s16 == SPARGE_OK ? "" : sparge_last_error();
-        size_t w8 = 0, w16 = 0;
+        pr.precision = SPARGE_PRECISION_INT8_FP8_SPLIT_V;
+        const sparge_status_t ssv = sparge_create_plan(&pr, &plan_sv);
+        const std::string esv = ssv == SPARGE_OK ? "" : sparge_last_error();
+        size_t w8 = 0, w16 = 0, wsv = 0;
         if (plan8) sparge_plan_workspace_size(plan8, &w8);
         if (plan16) sparge_plan_workspace_size(plan16, &w16);
-        Buf ws(std::max(w8, w16));
+        if (plan_sv) sparge_plan_workspace_size(plan_sv, &wsv);
+        Buf ws(std::max(std::max(w8, w16), wsv));
 
         // Block masks: all ones; random at each density over visible blocks.
         std::vector<int64_t> visible_rows(static_cast<size_t>(nQB));
@@ -493,8 +498,23 @@ int main(int argc, char** argv) {
           }
           emit(r);
         }
+        if (has("splitv")) {
+          Row r;
+          r.mode = "dense", r.precision = "int8_fp8_split_v", r.density = 1;
+          if (plan_sv) {
+            double got = 1;
+            Buf ones = make_mask(1.0, &got);
+            const sparge_tensor_t md = desc(ones.p, SPARGE_DTYPE_UINT8, 4, msh, mst);
+            run_attn(plan_sv, &md, r, wsv);
+          } else {
+            r.note = "plan: " + esv;
+            ++failures;
+          }
+          emit(r);
+        }
         sparge_destroy_plan(plan8);
         sparge_destroy_plan(plan16);
+        sparge_destroy_plan(plan_sv);
       }
 
   // ---------------------------------------------------------------- report
