@@ -22,4 +22,5 @@ TOL = {
     "exact": dict(atol=2e-5, rtol=1e-4),
     "fp16": dict(rel_l1=6e-3),
     "int8_fp8": dict(rel_l1=6e-2, cos=0.995),
+    "int8_fp8_split_v": dict(rel_l1=6e-2, cos=0.995),
 }

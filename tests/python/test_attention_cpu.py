@@ -7,7 +7,8 @@ import ref
 import sparge
 from helpers import TOL, make_qkv
 
-PRECISION_DTYPES = [("exact", np.float32), ("fp16", np.float16), ("int8_fp8", np.float16)]
+PRECISION_DTYPES = [("exact", np.float32), ("fp16", np.float16), ("int8_fp8", np.float16),
+                    ("int8_fp8_split_v", np.float16)]
 
 
 def assert_close(out, expect, precision, what="out"):
@@ -31,7 +32,8 @@ def check_lse(lse, expect, precision):
     assert np.array_equal(np.isfinite(lse), fin), "LSE -inf rows differ"
     assert np.all(lse[~fin] == -np.inf)
     # int8 Q·K: a row with few keys has the quantization error of a single dot product
-    atol, rtol = {"exact": (1e-4, 1e-4), "fp16": (1e-2, 1e-2), "int8_fp8": (6e-2, 2e-2)}[precision]
+    atol, rtol = {"exact": (1e-4, 1e-4), "fp16": (1e-2, 1e-2), "int8_fp8": (6e-2, 2e-2),
+                  "int8_fp8_split_v": (6e-2, 2e-2)}[precision]
     np.testing.assert_allclose(lse[fin], expect[fin], atol=atol, rtol=rtol)
 
 
@@ -64,7 +66,8 @@ def test_sparse_equals_reference_on_predicted_mask(rng, precision, dtype, layout
 
 
 @pytest.mark.parametrize("Lq,Lkv", [(100, 300), (300, 100), (129, 64), (1, 257), (200, 200)])
-@pytest.mark.parametrize("precision,dtype", [("exact", np.float32), ("int8_fp8", np.float16)])
+@pytest.mark.parametrize("precision,dtype", [("exact", np.float32), ("int8_fp8", np.float16),
+                                             ("int8_fp8_split_v", np.float16)])
 def test_causal_bottom_right_lq_ne_lkv(rng, Lq, Lkv, precision, dtype):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=Lq, Lkv=Lkv, D=32, dtype=dtype)
     out, lse = sparge.attention(q, k, v, topk=1.0, is_causal=True, precision=precision, return_lse=True)
