@@ -611,6 +611,14 @@ int schedule_from_env() {
   return schedule;
 }
 
+// Split V runs the wide schedule only (the pingpong A/B switch is ignored).
+template <int D, bool kCausal>
+sparge_status_t launch_variant(const AttnArgs& a, const Params& prm, cudaStream_t stream) {
+  if (a.prob.split_v()) return launch<D, kCausal, kWide, 2>(a, prm, stream);
+  if (schedule_from_env() == kPingPong) return launch<D, kCausal, kPingPong, 1>(a, prm, stream);
+  return launch<D, kCausal, kWide, 1>(a, prm, stream);
+}
+
 }  // namespace
 }  // namespace sm90
 
@@ -646,19 +654,12 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   prm.nKB = static_cast<int>(pb.nKB);
   prm.scale_log2 = pb.scale * kLog2e;
   prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
-  const int schedule = sm90::schedule_from_env();
-  // Split V runs the wide schedule only (the pingpong A/B switch is ignored).
-#define SPARGE_SM90_LAUNCH(D_, C_)                                                                   \
-  if (pb.split_v()) return sm90::launch<D_, C_, sm90::kWide, 2>(a, prm, stream);                   \
-  if (schedule == sm90::kPingPong) return sm90::launch<D_, C_, sm90::kPingPong, 1>(a, prm, stream); \
-  return sm90::launch<D_, C_, sm90::kWide, 1>(a, prm, stream);
   if (pb.D == 128) {
-    if (pb.causal) SPARGE_SM90_LAUNCH(128, true);
-    SPARGE_SM90_LAUNCH(128, false);
+    if (pb.causal) return sm90::launch_variant<128, true>(a, prm, stream);
+    return sm90::launch_variant<128, false>(a, prm, stream);
   }
-  if (pb.causal) SPARGE_SM90_LAUNCH(64, true);
-  SPARGE_SM90_LAUNCH(64, false);
-#undef SPARGE_SM90_LAUNCH
+  if (pb.causal) return sm90::launch_variant<64, true>(a, prm, stream);
+  return sm90::launch_variant<64, false>(a, prm, stream);
 }
 
 }  // namespace cuda
