@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #include "cuda/attention/sm90/sm90_primitives.cuh"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
@@ -253,14 +254,27 @@ struct Consumer {
     const float c1 = kLog2Fp8Max - mu1;
     float sc[NS];
     float rs0 = 0.f, rs1 = 0.f;
+    // Two copies of the exponentials: steps without a masked score (all but
+    // the causal diagonal and the ragged end) skip the compare-and-select per
+    // score. masked_any is uniform over the warpgroup (it depends on the key
+    // blocks and the warpgroup's first row only), so the branch never diverges.
+    auto exps = [&](auto masked) {
 #pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      const int hh = j / 32;
-      float pj = fast_exp2(fmaf(small_int_to_float(acc[j]), (j & 2) ? f1[hh] : f0[hh], (j & 2) ? c1 : c0));
-      if (masked_any && acc[j] == kMasked) pj = 0.f;
-      sc[j] = pj;  // p * 448
-      if (j & 2) rs1 += pj;
-      else rs0 += pj;
+      for (int j = 0; j < NS; ++j) {
+        const int hh = j / 32;
+        float pj = fast_exp2(fmaf(small_int_to_float(acc[j]), (j & 2) ? f1[hh] : f0[hh], (j & 2) ? c1 : c0));
+        if constexpr (decltype(masked)::value) {
+          if (acc[j] == kMasked) pj = 0.f;
+        }
+        sc[j] = pj;  // p * 448
+        if (j & 2) rs1 += pj;
+        else rs0 += pj;
+      }
+    };
+    if (masked_any) {
+      exps(std::true_type{});
+    } else {
+      exps(std::false_type{});
     }
     // Row sums are kept in units of 448 (undone in the epilogue).
     l0 = l0 * alpha0 + rs0;
