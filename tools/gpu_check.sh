@@ -18,6 +18,8 @@
 #             subset of the GPU tests (small shapes)
 #   bench     sparge_bench (all workloads) and tools/bench/anchors.py (torch SDPA
 #             cuDNN / FLASH_ATTENTION, ceilings, accuracy vs float32 SDPA, side by side)
+#   ncusrc    Nsight Compute full set on the same kernel: pipe utilization, stall reasons,
+#             and a per-SASS-instruction CSV (sass_source.csv)
 #   ncu       Nsight Compute (--clock-control none) on the int8_fp8 attention kernel
 #             at N=16K D=128 (tensor-pipe utilization, throughput), and kernel
 #             durations of one predict+attention call
@@ -29,7 +31,7 @@
 #   NCU_KERNEL_REGEX (regex:attn_int8fp8)  SPARGE_TEST_SEED (reproduce a test run)
 #
 # Files written to $OUT (8 at most): build.log test.log sanitize.log bench.log
-# bench.csv anchors.csv ncu.log summary.txt
+# bench.csv anchors.csv ncu.log summary.txt (ncusrc adds ncusrc.log, sass_source.csv)
 set -o pipefail
 set -u
 
@@ -253,6 +255,35 @@ if want ncu; then
     st=ok
     ((rc1 != 0 || rc2 != 0)) && st=FAIL
     note ncu $st $(($(date +%s) - s)) "kernel rc=$rc1, breakdown rc=$rc2; $dur"
+  fi
+fi
+
+# ---------------------------------------------------------------- ncusrc
+# Per-pipe utilization, warp stall reasons (PC sampling) and a per-SASS-instruction
+# source view of the int8_fp8 attention kernel (N=16K D=128 dense), as CSV.
+if want ncusrc; then
+  banner ncusrc
+  s=$(date +%s)
+  if ((BUILT == 0)) || [ ! -x "$BENCH" ] || ! command -v ncu >/dev/null; then
+    note ncusrc skip 0 "no build or no ncu"
+  else
+    KRE=${NCU_KERNEL_REGEX:-regex:attn_int8fp8}
+    rep="$BUILD/attn_profile"
+    rm -f "$rep.ncu-rep"
+    rc1=0
+    run_to "$LOG/ncusrc.log" "$(allow 200)" ncu --clock-control none -k "$KRE" --launch-skip 1 -c 1 --set full \
+      --import-source no -o "$rep" "$BENCH" --n 16384 --d 128 --causal 0 --modes dense --warmup 1 --min-iters 1 \
+      --max-iters 1 || rc1=$?
+    if [ -f "$rep.ncu-rep" ]; then
+      ncu -i "$rep.ncu-rep" --page details --print-details all >>"$LOG/ncusrc.log" 2>&1
+      ncu -i "$rep.ncu-rep" --page raw --csv --metrics \
+        "regex:^sm__inst_executed_pipe_.*pct_of_peak_sustained_active$,regex:^sm__pipe_.*cycles_active.avg.pct_of_peak_sustained_active$,regex:^smsp__pcsamp_warps_issue_stalled_[a-z_]+$" \
+        >>"$LOG/ncusrc.log" 2>&1
+      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$LOG/sass_source.csv" 2>&1
+    fi
+    st=ok
+    ((rc1 != 0)) && st=FAIL
+    note ncusrc $st $(($(date +%s) - s)) "rc=$rc1"
   fi
 fi
 

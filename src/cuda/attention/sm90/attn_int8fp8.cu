@@ -196,16 +196,22 @@ struct Consumer {
   // (scale, shift and the x448 fp8 scale in one), MUFU.EX2, FADD (row sum)
   // and half an F2FP. Since f > 0, max_j float(x_j)*f == float(max_j x_j)*f
   // exactly, so the running max equals the reference's bit for bit.
-  __device__ __forceinline__ void softmax(const int (&kb)[kHalves], uint32_t (&pa)[KS][4], float& alpha0,
-                                          float& alpha1) {
+  // The K block scales of a step, loaded before the step's waits so that their
+  // latency is off the softmax's critical path.
+  __device__ __forceinline__ void load_kscale(const int (&kb)[kHalves], float (&ks)[kHalves]) const {
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) ks[hh] = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
+  }
+
+  __device__ __forceinline__ void softmax(const int (&kb)[kHalves], const float (&ks)[kHalves],
+                                          uint32_t (&pa)[KS][4], float& alpha0, float& alpha1) {
     constexpr int32_t kMasked = INT32_MIN;
     float f0[kHalves], f1[kHalves];
     bool masked_any = false;
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) {
-      const float ks = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
-      f0[hh] = qs0 * ks;
-      f1[hh] = qs1 * ks;
+      f0[hh] = qs0 * ks[hh];
+      f1[hh] = qs1 * ks[hh];
       const int key0 = kb[hh] * kBK;
       const bool need_mask =
           (kb[hh] < 0) || (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
@@ -427,9 +433,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t pa[C::KS][4];
       float al0, al1;
       int kb[kHalves];
+      float ksc[kHalves];
       mbar_wait(&full[0], 0);
       {
         const uint64_t dk = c.desc_k(0);
+        blocks(0, kb);
+        c.load_kscale(kb, ksc);
         named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_qk(dk);
@@ -437,13 +446,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         named_bar_arrive(kTurnBar0 + other, 256);
         wgmma_wait<0>();
         fence_regs(c.acc);
-        blocks(0, kb);
-        c.softmax(kb, pa, al0, al1);
+        c.softmax(kb, ksc, pa, al0, al1);
       }
       for (int u = 1; u < n_steps; ++u) {
         const int s = u % kStages, sp = (u - 1) % kStages;
         mbar_wait(&full[s], (u / kStages) & 1);
         const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+        blocks(u, kb);
+        c.load_kscale(kb, ksc);
         named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
         c.issue_pv(dv, pa);
@@ -458,8 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         c.accumulate(al0, al1);
         wgmma_wait<0>();  // Q.K^T(u) done
         fence_regs(c.acc);
-        blocks(u, kb);
-        c.softmax(kb, pa, al0, al1);
+        c.softmax(kb, ksc, pa, al0, al1);
       }
       {
         const int sp = (n_steps - 1) % kStages;
@@ -496,8 +505,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t pa_a[C::KS][4], pa_b[C::KS][4];
       float al_a0, al_a1, al_b0, al_b1;
       int kb[kHalves];
+      float ksc[kHalves];
       blocks(0, kb);
-      c.softmax(kb, pa_a, al_a0, al_a1);
+      c.load_kscale(kb, ksc);
+      c.softmax(kb, ksc, pa_a, al_a0, al_a1);
       auto step = [&](int t, const uint32_t(&pin)[C::KS][4], float ain0, float ain1, uint32_t(&pout)[C::KS][4],
                       float& aout0, float& aout1) {
         const int s = t % kStages, sp = (t - 1) % kStages;
@@ -513,8 +524,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<1>();
         fence_regs(c.acc);
         int kbt[kHalves];
+        float kst[kHalves];
         blocks(t, kbt);
-        c.softmax(kbt, pout, aout0, aout1);
+        c.load_kscale(kbt, kst);
+        c.softmax(kbt, kst, pout, aout0, aout1);
         wgmma_wait<0>();
         fence_regs(c.o_tile);
         mbar_arrive(&empty[sp]);
