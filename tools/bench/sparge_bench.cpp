@@ -484,34 +484,23 @@ int main(int argc, char** argv) {
           ++failures;
           emit(r);
         }
-        if (has("fp16")) {
+        // Dense attention in another precision: one row, or the plan's error.
+        auto dense_other = [&](sparge_plan_t plan, size_t wsb, const std::string& err, const char* precision) {
           Row r;
-          r.mode = "dense", r.precision = "fp16", r.density = 1;
-          if (plan16) {
+          r.mode = "dense", r.precision = precision, r.density = 1;
+          if (plan) {
             double got = 1;
             Buf ones = make_mask(1.0, &got);
             const sparge_tensor_t md = desc(ones.p, SPARGE_DTYPE_UINT8, 4, msh, mst);
-            run_attn(plan16, &md, r, w16);
+            run_attn(plan, &md, r, wsb);
           } else {
-            r.note = "plan: " + e16;
+            r.note = "plan: " + err;
             ++failures;
           }
           emit(r);
-        }
-        if (has("splitv")) {
-          Row r;
-          r.mode = "dense", r.precision = "int8_fp8_split_v", r.density = 1;
-          if (plan_sv) {
-            double got = 1;
-            Buf ones = make_mask(1.0, &got);
-            const sparge_tensor_t md = desc(ones.p, SPARGE_DTYPE_UINT8, 4, msh, mst);
-            run_attn(plan_sv, &md, r, wsv);
-          } else {
-            r.note = "plan: " + esv;
-            ++failures;
-          }
-          emit(r);
-        }
+        };
+        if (has("fp16")) dense_other(plan16, w16, e16, "fp16");
+        if (has("splitv")) dense_other(plan_sv, wsv, esv, "int8_fp8_split_v");
         sparge_destroy_plan(plan8);
         sparge_destroy_plan(plan16);
         sparge_destroy_plan(plan_sv);

@@ -258,23 +258,39 @@ struct Consumer {
     constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
     const float c0 = kLog2Fp8Max - mu0;
     const float c1 = kLog2Fp8Max - mu1;
-    float sc[NS];
     float rs0 = 0.f, rs1 = 0.f;
     // Two copies of the exponentials: steps without a masked score (all but
     // the causal diagonal and the ragged end) skip the compare-and-select per
     // score. masked_any is uniform over the warpgroup (it depends on the key
     // blocks and the warpgroup's first row only), so the branch never diverges.
+    // Each P.V k-step's 16 scores are exponentiated and packed to e4m3 before
+    // the next ones, which keeps few of them live (register pressure limits how
+    // many independent exponentials ptxas can keep in flight).
+    //
+    // k-step ks of P.V covers step columns [32ks, 32ks+32): accumulator chunks
+    // c = 4ks .. 4ks+3, i.e. acc[16ks .. 16ks+15]. The A fragment wants, per
+    // thread, k = 4*quad + (0..3) and 16 + 4*quad + (0..3); V^T's token order
+    // (perm32) makes the columns this thread holds land exactly there.
     auto exps = [&](auto masked) {
 #pragma unroll
-      for (int j = 0; j < NS; ++j) {
-        const int hh = j / 32;
-        float pj = fast_exp2(fmaf(small_int_to_float(acc[j]), (j & 2) ? f1[hh] : f0[hh], (j & 2) ? c1 : c0));
-        if constexpr (decltype(masked)::value) {
-          if (acc[j] == kMasked) pj = 0.f;
+      for (int ksp = 0; ksp < KS; ++ksp) {
+        float x[16];
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) {
+          const int j = 16 * ksp + jj;
+          const int hh = j / 32;
+          float pj = fast_exp2(fmaf(small_int_to_float(acc[j]), (j & 2) ? f1[hh] : f0[hh], (j & 2) ? c1 : c0));
+          if constexpr (decltype(masked)::value) {
+            if (acc[j] == kMasked) pj = 0.f;
+          }
+          x[jj] = pj;  // p * 448
+          if (j & 2) rs1 += pj;
+          else rs0 += pj;
         }
-        sc[j] = pj;  // p * 448
-        if (j & 2) rs1 += pj;
-        else rs0 += pj;
+        pa[ksp][0] = pack_e4m3x4(x[0], x[1], x[4], x[5]);
+        pa[ksp][1] = pack_e4m3x4(x[2], x[3], x[6], x[7]);
+        pa[ksp][2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
+        pa[ksp][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
       }
     };
     if (masked_any) {
@@ -285,18 +301,6 @@ struct Consumer {
     // Row sums are kept in units of 448 (undone in the epilogue).
     l0 = l0 * alpha0 + rs0;
     l1 = l1 * alpha1 + rs1;
-    // k-step ks of P.V covers step columns [32ks, 32ks+32): accumulator chunks
-    // c = 4ks .. 4ks+3. The A fragment wants, per thread, k = 4*quad + (0..3)
-    // and 16 + 4*quad + (0..3); V^T's token order (perm32) makes the columns
-    // this thread holds land exactly there.
-#pragma unroll
-    for (int ksp = 0; ksp < KS; ++ksp) {
-      const int c = 4 * ksp;
-      pa[ksp][0] = pack_e4m3x4(sc[c * 4 + 0], sc[c * 4 + 1], sc[(c + 1) * 4 + 0], sc[(c + 1) * 4 + 1]);
-      pa[ksp][1] = pack_e4m3x4(sc[c * 4 + 2], sc[c * 4 + 3], sc[(c + 1) * 4 + 2], sc[(c + 1) * 4 + 3]);
-      pa[ksp][2] = pack_e4m3x4(sc[(c + 2) * 4 + 0], sc[(c + 2) * 4 + 1], sc[(c + 3) * 4 + 0], sc[(c + 3) * 4 + 1]);
-      pa[ksp][3] = pack_e4m3x4(sc[(c + 2) * 4 + 2], sc[(c + 2) * 4 + 3], sc[(c + 3) * 4 + 2], sc[(c + 3) * 4 + 3]);
-    }
   }
 
   // O = O * alpha + O_tile (two-level accumulation in fp32).
