@@ -30,8 +30,8 @@
 #   BENCH_ARGS (extra sparge_bench arguments, e.g. --n64k)
 #   NCU_KERNEL_REGEX (regex:attn_int8fp8)  SPARGE_TEST_SEED (reproduce a test run)
 #
-# Files written to $OUT (8 at most): build.log test.log sanitize.log bench.log
-# bench.csv anchors.csv ncu.log summary.txt (ncusrc adds ncusrc.log, sass_source.csv)
+# Files written to $OUT (10 at most): build.log test.log sanitize.log bench.log
+# bench.csv anchors.csv ncu.log summary.txt, and with ncusrc: ncusrc.log sass_source.csv
 set -o pipefail
 set -u
 
@@ -204,7 +204,7 @@ if want bench; then
     rc=$?
     ((rc == 0)) && res+=("sparge_bench ok") || res+=("sparge_bench rc=$rc")
     # A/B: the 64-key pingpong schedule (not the specified rounding) on the dense workloads.
-    run_to "$LOG/bench.log" "$(allow 60)" env SPARGE_SM90_SCHEDULE=pingpong "$BENCH" --modes dense --tag pingpong
+    run_to "$LOG/bench.log" "$(allow 90)" env SPARGE_SM90_SCHEDULE=pingpong "$BENCH" --modes dense --tag pingpong
     rc=$?
     ((rc == 0)) && res+=("pingpong A/B ok") || res+=("pingpong A/B rc=$rc")
     run_to "$LOG/bench.log" "$(allow 150)" env PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench/anchors.py" \

@@ -1,4 +1,4 @@
-// CPU reference: block-sparse attention in the three precision modes
+// CPU reference: block-sparse attention in the four precision modes
 // (docs/SEMANTICS.md, "Attention on a mask" and "Precision modes").
 #include <algorithm>
 #include <cmath>

@@ -229,15 +229,21 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
+  // Layout 0: 32x16 blocks, 3 of 4 kept at random (64-key tiles rarely unlisted).
+  // Layout 1: 32x64 blocks with a deterministic pattern of gaps, so the listed
+  // tiles are not consecutive (e.g. 0, 2, 3, 5, 6) and pairing listed tiles
+  // differs from pairing fixed 128-key windows; 450 keys end in a ragged tile.
+  for (int layout : {0, 1})
   for (bool split_v : {false, true})
   for (bool causal : {false, true})
     for (bool smooth : {false, true}) {
-      INFO("split_v " << split_v << " causal " << causal << " smooth " << smooth);
-      const int64_t Lq = 150, Lkv = 200, D = 40;
+      INFO("layout " << layout << " split_v " << split_v << " causal " << causal << " smooth " << smooth);
+      const int64_t Lq = 150, Lkv = layout == 0 ? 200 : 450, D = 40;
+      const int bq = 32, bk = layout == 0 ? 16 : 64;
       auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32,
                               split_v ? SPARGE_PRECISION_INT8_FP8_SPLIT_V : SPARGE_PRECISION_INT8_FP8, causal);
-      prob.block_q = 32;
-      prob.block_k = 16;
+      prob.block_q = bq;
+      prob.block_k = bk;
       prob.scale = 0.2f;
       Plan plan(prob);
       std::vector<float> q(size_t(Lq * D)), k(size_t(Lkv * D)), v(size_t(Lkv * D));
@@ -252,14 +258,17 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
       std::memcpy(tq.mem.get(), q.data(), q.size() * 4);
       std::memcpy(tk.mem.get(), k.data(), k.size() * 4);
       std::memcpy(tv.mem.get(), v.data(), v.size() * 4);
-      const int64_t nQB = ceil_div(Lq, 32), nKB = ceil_div(Lkv, 16);
+      const int64_t nQB = ceil_div(Lq, bq), nKB = ceil_div(Lkv, bk);
       HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, nQB, nKB});
       for (int64_t i = 0; i < nQB; ++i)
-        for (int64_t j = 0; j < nKB; ++j) mask.set(0, 0, i, j, (rng() % 4) ? 1.0f : 0.0f);
+        for (int64_t j = 0; j < nKB; ++j) {
+          const bool on = layout == 0 ? (rng() % 4) != 0 : ((i + j) % 3) != 1;
+          mask.set(0, 0, i, j, on ? 1.0f : 0.0f);
+        }
       std::vector<uint8_t> used(size_t(Lq * Lkv));
       for (int64_t i = 0; i < Lq; ++i)
         for (int64_t j = 0; j < Lkv; ++j)
-          used[size_t(i * Lkv + j)] = (mask.get(0, 0, i / 32, j / 16) != 0) && (!causal || j <= i + (Lkv - Lq));
+          used[size_t(i * Lkv + j)] = (mask.get(0, 0, i / bq, j / bk) != 0) && (!causal || j <= i + (Lkv - Lq));
       HostTensor out = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
       HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq});
       sparge_predict_params_t params = no_smoothing();
@@ -267,7 +276,7 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
       REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
       std::vector<float> ro, rl;
       auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
-      twin_reference(Lq, Lkv, D, q, k, v, used, kept, 32, 16, causal, 0.2f, smooth, split_v, ro, rl);
+      twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, smooth, split_v, ro, rl);
       int64_t mismatches = 0;
       for (int64_t i = 0; i < Lq; ++i) {
         const float a = lse.get(0, 0, i), b = rl[size_t(i)];

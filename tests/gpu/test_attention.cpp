@@ -108,8 +108,15 @@ void run_case(const AttnCase& c, const std::vector<double>& densities) {
         record("attention", label, "cos vs f64", e.cosine, bar.cos, true);
         record("attention", label, "relL1 vs f64", e.rel_l1, bar.rel_l1, false);
         if (quantized(prec) && d == 1.0 && c.s.Lkv >= 1000) {
-          record("attention", label, "cos (design target)", e.cosine, 0.9995, true, false);
-          record("attention", label, "relL1 (design target)", e.rel_l1, 0.03, false, false);
+          // The design accuracy bar: enforced for split V on normal inputs (the
+          // reason that mode exists); recorded as a target otherwise.
+          const bool enforce = prec == SPARGE_PRECISION_INT8_FP8_SPLIT_V && !c.outliers;
+          record("attention", label, "cos (design target)", e.cosine, 0.9995, true, enforce);
+          record("attention", label, "relL1 (design target)", e.rel_l1, 0.03, false, enforce);
+          if (enforce) {
+            CHECK(e.cosine >= 0.9995);
+            CHECK(e.rel_l1 <= 0.03);
+          }
         }
         CHECK(e.nonfinite == 0);
         CHECK(e.cosine >= bar.cos);

@@ -225,8 +225,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         smooth_k: subtract the per-head mean of K before prediction and quantization.
         attention_sink: always keep key block 0.
         precision: ``"int8_fp8"`` (fast GPU default; on CPU the exact quantization twin, slow),
-            ``"int8_fp8_split_v"`` (int8_fp8 with V carried as two e4m3 terms, hi + lo: about 2x
-            smaller P.V rounding error for one more fp8 P.V product per key tile),
+            ``"int8_fp8_split_v"`` (int8_fp8 with V carried as two e4m3 terms, hi + lo: V's
+            rounding error nearly vanishes, output relative L1 ~0.028 instead of ~0.038 on random
+            normal inputs, for one more fp8 P.V product per key tile),
             ``"fp16"`` (16-bit tensor-core math) or ``"exact"`` (float64, CPU only).
         block_size: mask block ``(BQ, BK)``; default (128, 64).
         return_sparsity: also return the block density ``kept / visible`` over all heads (a

@@ -491,13 +491,13 @@ __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
     if (nz[c]) {
       float y[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) y[i] = x[i][c] * inv[c];
+      for (int i = 0; i < 4; ++i) y[i] = __fmul_rn(x[i][c], inv[c]);  // rounded on its own, never fused
       w = e4m3x2(y[0], y[1]) | (e4m3x2(y[2], y[3]) << 16);
       if (a.v_f8_lo != nullptr) {
         // Split V: lo = e4m3(y - hi); y - hi is exact in float32.
         float r[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) r[i] = y[i] - e4m3_to_float(uint8_t(w >> (8 * i)));
+        for (int i = 0; i < 4; ++i) r[i] = __fsub_rn(y[i], e4m3_to_float(uint8_t(w >> (8 * i))));
         wl = e4m3x2(r[0], r[1]) | (e4m3x2(r[2], r[3]) << 16);
       }
     }

@@ -208,8 +208,9 @@ pub enum Precision {
     Fp16,
     /// float64 throughout (CPU only).
     Exact,
-    /// `Int8Fp8` with V carried as two e4m3 terms (hi + lo on one per-channel scale): about 2x
-    /// smaller P.V rounding error for one more fp8 P.V product per key tile.
+    /// `Int8Fp8` with V carried as two e4m3 terms (hi + lo on one per-channel scale): V's rounding
+    /// error nearly vanishes (output relative L1 ~0.028 instead of ~0.038 on random normal inputs),
+    /// for one more fp8 P.V product per key tile.
     Int8Fp8SplitV,
 }
 

@@ -2,11 +2,13 @@
 //
 // One CTA computes one 128-row query block of one (batch, head) over the key
 // blocks listed for it (idx/cnt). Three warpgroups:
-//   WG0  producer: one thread issues TMA loads of Q (once) and of each listed
-//        K tile (64 x D int8) and V^T tile (D x 64 fp8) into a ring of
-//        kStages shared-memory stages guarded by full/empty mbarriers;
-//   WG1, WG2  consumers, 64 query rows each:
-//        S = Q K^T   int8 wgmma m64n64k32 (IGMMA), s32 accumulators
+//   WG0  producer: one thread issues TMA loads of Q (once) and, per step, of
+//        the listed K tiles (64 x D int8) and V^T tiles (D x 64 fp8; split V:
+//        also the lo term's) into a ring of kStages shared-memory stages
+//        guarded by full/empty mbarriers;
+//   WG1, WG2  consumers, 64 query rows each, steps of two listed 64-key
+//        blocks (128 keys; the 64-key pingpong schedule is an A/B switch):
+//        S = Q K^T   int8 wgmma m64n128k32 (IGMMA), s32 accumulators
 //        online softmax in base 2 on the dequantized scores
 //        P -> e4m3 in registers (the accumulator layout is reused as the A
 //             operand; V^T's token order is permuted to match, see perm32)
@@ -186,16 +188,6 @@ struct Consumer {
     }
   }
 
-  // Online softmax of the scores in `acc`: key block kb[hh] fills columns
-  // [64*hh, 64*hh + 64) (kb[hh] < 0: no block, all masked). Updates m, l;
-  // returns the rescale factors of the previous accumulator and P as e4m3
-  // A fragments.
-  //
-  // Instruction budget per score (the consumer warps are issue-bound):
-  // IADD + FADD (exact int->float), IMNMX (row max on the integers), FFMA
-  // (scale, shift and the x448 fp8 scale in one), MUFU.EX2, FADD (row sum)
-  // and half an F2FP. Since f > 0, max_j float(x_j)*f == float(max_j x_j)*f
-  // exactly, so the running max equals the reference's bit for bit.
   // The K block scales of a step, loaded before the step's waits so that their
   // latency is off the softmax's critical path.
   __device__ __forceinline__ void load_kscale(const int (&kb)[kHalves], float (&ks)[kHalves]) const {
@@ -203,6 +195,17 @@ struct Consumer {
     for (int hh = 0; hh < kHalves; ++hh) ks[hh] = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
   }
 
+  // Online softmax of the scores in `acc`: key block kb[hh] fills columns
+  // [64*hh, 64*hh + 64) (kb[hh] < 0: no block, all masked); ks[hh] its K
+  // scale. Updates m, l; returns the rescale factors of the previous
+  // accumulator and P as e4m3 A fragments.
+  //
+  // Instructions per score: an exact int->float (IADD + FADD at D = 128, I2FP
+  // at D = 64), a three-input IMNMX per two scores (row max on the integers),
+  // one FFMA (scale, shift and the x448 fp8 scale in one), MUFU.EX2, FADD
+  // (row sum) and half an F2FP. Since f > 0, max_j float(x_j)*f ==
+  // float(max_j x_j)*f exactly, so the running max equals the reference's bit
+  // for bit.
   __device__ __forceinline__ void softmax(const int (&kb)[kHalves], const float (&ks)[kHalves],
                                           uint32_t (&pa)[KS][4], float& alpha0, float& alpha1) {
     constexpr int32_t kMasked = INT32_MIN;
