@@ -21,7 +21,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -73,11 +72,11 @@ struct SmemLayout {
   static constexpr int kKBytes = kKeys * D;
   static constexpr int kVBytes = D * kKeys;       // one term
   static constexpr int kVStage = kVTerms * kVBytes;
-  static constexpr int kQ = 0;  // two Q buffers (the next row's Q loads during this one)
-  static constexpr int kK = kQ + 2 * kQBytes;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
   static constexpr int kBar = kV + kStages * kVStage;
-  static constexpr int kBytes = kBar + (2 * kStages + 4) * 8;
+  static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
 };
 
@@ -94,7 +93,6 @@ struct Params {
   float* lse;
   int64_t lse_stride[3];
   int Hq, group, Lq, Lkv, nQB, nKB;
-  int n_rows;  // B * Hq * nQB: rows of order[]
   float scale_log2;  // scale * log2(e)
   int out_bf16;
 };
@@ -373,35 +371,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* sv = smem + L::kV;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
   uint64_t* empty = full + kStages;
-  uint64_t* qfull = empty + kStages;  // [2]
-  uint64_t* qempty = qfull + 2;       // [2]
+  uint64_t* qbar = empty + kStages;
 
-  // Persistent grid: CTA x takes rows order[r*G + x] (r even) and
-  // order[r*G + G-1-x] (r odd), G = gridDim.x. order[] is heaviest first, so
-  // the serpentine keeps the CTAs' totals within about one row of each other;
-  // the producer loads the next row's Q and first K/V stages while the
-  // consumers finish the current row.
-  auto row_at = [&](int r) -> int {
-    const int G = int(gridDim.x), x = int(blockIdx.x);
-    const int64_t i = int64_t(r) * G + ((r & 1) ? (G - 1 - x) : x);
-    return i < p.n_rows ? p.order[i] : -1;
-  };
-  struct Row {
-    int id, bh, qb, bhkv, n_tiles, n_steps;
-    const int32_t* tiles;
-  };
-  auto row_info = [&](int row_id) {
-    Row w;
-    w.id = row_id;
-    w.bh = row_id / p.nQB;
-    w.qb = row_id - w.bh * p.nQB;
-    const int b = w.bh / p.Hq, h = w.bh - (w.bh / p.Hq) * p.Hq;
-    w.bhkv = b * (p.Hq / p.group) + h / p.group;
-    w.n_tiles = p.cnt[row_id];
-    w.n_steps = (w.n_tiles + kHalves - 1) / kHalves;
-    w.tiles = p.idx + int64_t(row_id) * p.nKB;
-    return w;
-  };
+  const int row_id = p.order[blockIdx.x];
+  const int bh = row_id / p.nQB;
+  const int qb = row_id - bh * p.nQB;
+  const int b = bh / p.Hq;
+  const int h = bh - b * p.Hq;
+  const int bhkv = b * (p.Hq / p.group) + h / p.group;
+  const int n_tiles = p.cnt[row_id];
+  const int n_steps = (n_tiles + kHalves - 1) / kHalves;
+  const int32_t* tiles = p.idx + int64_t(row_id) * p.nKB;
+  // Key block of half hh of step u; -1 past the end (odd count, wide steps).
+  auto block_of = [&](int u, int hh) { return (u * kHalves + hh < n_tiles) ? tiles[u * kHalves + hh] : -1; };
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -409,54 +391,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 256);
     }
-    for (int qq = 0; qq < 2; ++qq) {
-      mbar_init(&qfull[qq], 1);
-      mbar_init(&qempty[qq], 256);
-    }
+    mbar_init(qbar, 1);
     mbar_fence_init();
   }
   __syncthreads();
 
-  // The ring and the Q buffers run on across rows: g counts the steps of the
-  // rows before (stage of step u: (g + u) % kStages), qi the rows that loaded
-  // a Q (buffer qi & 1). Rows without a listed block load nothing.
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     regs_dealloc<kProducerRegs>();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && n_steps > 0) {
       tma_prefetch_map(&tm_q);
       tma_prefetch_map(&tm_k);
       tma_prefetch_map(&tm_v);
       if (kVTerms == 2) tma_prefetch_map(&tm_vlo);
-      int g = 0, qi = 0;
-      for (int r = 0;; ++r) {
-        const int row_id = row_at(r);
-        if (row_id < 0) break;
-        const Row w = row_info(row_id);
-        if (w.n_steps == 0) continue;
-        const int qbuf = qi & 1;
-        if (qi >= 2) mbar_wait(&qempty[qbuf], ((qi >> 1) - 1) & 1);
-        mbar_arrive_expect_tx(&qfull[qbuf], L::kQBytes);
-        tma_load_2d(sq + qbuf * L::kQBytes, &tm_q, &qfull[qbuf], 0, row_id * kBQ);
-        for (int u = 0; u < w.n_steps; ++u) {
-          const int gu = g + u, s = gu % kStages;
-          if (gu >= kStages) mbar_wait(&empty[s], ((gu / kStages) - 1) & 1);
-          mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVStage);
+      mbar_arrive_expect_tx(qbar, L::kQBytes);
+      tma_load_2d(sq, &tm_q, qbar, 0, row_id * kBQ);
+      for (int u = 0; u < n_steps; ++u) {
+        const int s = u % kStages;
+        if (u >= kStages) mbar_wait(&empty[s], ((u / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVStage);
 #pragma unroll
-          for (int hh = 0; hh < kHalves; ++hh) {
-            // A missing second block loads the first again (finite data; its
-            // scores are masked), so every stage completes the same byte count.
-            const int i0 = u * kHalves + hh;
-            const int kb = (i0 < w.n_tiles) ? w.tiles[i0] : w.tiles[u * kHalves];
-            tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &full[s], 0, (w.bhkv * p.nKB + kb) * kBK);
-            tma_load_2d(sv + s * L::kVStage + hh * L::kVTile, &tm_v, &full[s], kb * kBK, w.bhkv * D);
-            if (kVTerms == 2)
-              tma_load_2d(sv + s * L::kVStage + L::kVBytes + hh * L::kVTile, &tm_vlo, &full[s], kb * kBK,
-                          w.bhkv * D);
-          }
+        for (int hh = 0; hh < kHalves; ++hh) {
+          // A missing second block loads the first again (finite data; its
+          // scores are masked), so every stage completes the same byte count.
+          const int kbh = block_of(u, hh);
+          const int kb = kbh >= 0 ? kbh : block_of(u, 0);
+          tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
+          tma_load_2d(sv + s * L::kVStage + hh * L::kVTile, &tm_v, &full[s], kb * kBK, bhkv * D);
+          if (kVTerms == 2)
+            tma_load_2d(sv + s * L::kVStage + L::kVBytes + hh * L::kVTile, &tm_vlo, &full[s], kb * kBK, bhkv * D);
         }
-        g += w.n_steps;
-        ++qi;
       }
     }
     return;
@@ -464,164 +428,149 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // -------------------------------------------------------------- consumers
   regs_alloc<kConsumerRegs>();
-  int g = 0, qi = 0;
-  for (int r = 0;; ++r) {
-    const int row_id = row_at(r);
-    if (row_id < 0) break;
-    const Row w = row_info(row_id);
-    const int n_steps = w.n_steps;
-    // Key block of half hh of step u; -1 past the end (odd count, wide steps).
-    auto block_of = [&](int u, int hh) { return (u * kHalves + hh < w.n_tiles) ? w.tiles[u * kHalves + hh] : -1; };
-    auto blocks = [&](int u, int (&kb)[kHalves]) {
+  C c(p, wg - 1, threadIdx.x - 128 * wg, bh, qb, bhkv, sq, sk, sv);
+  auto blocks = [&](int u, int (&kb)[kHalves]) {
 #pragma unroll
-      for (int hh = 0; hh < kHalves; ++hh) kb[hh] = block_of(u, hh);
-    };
-    auto stage = [&](int u) { return (g + u) % kStages; };
-    auto phase = [&](int u) { return ((g + u) / kStages) & 1; };
-    const int qbuf = qi & 1;
-    C c(p, wg - 1, threadIdx.x - 128 * wg, w.bh, w.qb, w.bhkv, sq + qbuf * L::kQBytes, sk, sv);
-    if (n_steps > 0) {
-      mbar_wait(&qfull[qbuf], (qi >> 1) & 1);
-      const int me = c.cw, other = c.cw ^ 1;
-      if constexpr (kSchedule == kWide) {
-        // Turn-taking: in its turn a warpgroup issues P.V(u-1) then Q.K^T(u);
-        // it then folds P.V(u-1) into O while Q.K^T(u) runs, and does the
-        // softmax of step u while the other warpgroup has its turn.
-        if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
-        uint32_t pa[C::KS][4];
-        float al0, al1;
-        int kb[kHalves];
-        float ksc[kHalves];
-        mbar_wait(&full[stage(0)], phase(0));
-        {
-          const uint64_t dk = c.desc_k(stage(0));
-          blocks(0, kb);
-          c.load_kscale(kb, ksc);
-          named_bar_sync(kTurnBar0 + me, 256);
-          wgmma_fence();
-          c.issue_qk(dk);
-          wgmma_commit();
-          named_bar_arrive(kTurnBar0 + other, 256);
-          wgmma_wait<0>();
-          fence_regs(c.acc);
-          c.softmax(kb, ksc, pa, al0, al1);
-        }
-        for (int u = 1; u < n_steps; ++u) {
-          const int s = stage(u), sp = stage(u - 1);
-          mbar_wait(&full[s], phase(u));
-          const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
-          blocks(u, kb);
-          c.load_kscale(kb, ksc);
-          named_bar_sync(kTurnBar0 + me, 256);
-          wgmma_fence();
-          c.issue_pv(dv, pa);
-          wgmma_commit();
-          c.issue_qk(dk);
-          wgmma_commit();
-          named_bar_arrive(kTurnBar0 + other, 256);
-          wgmma_wait<1>();  // P.V(u-1) done
-          fence_regs(c.o_tile);
-          fence_regs(pa);
-          mbar_arrive(&empty[sp]);
-          c.accumulate(al0, al1);
-          wgmma_wait<0>();  // Q.K^T(u) done
-          fence_regs(c.acc);
-          c.softmax(kb, ksc, pa, al0, al1);
-        }
-        {
-          const int sp = stage(n_steps - 1);
-          const uint64_t dv = c.desc_v(sp);
-          named_bar_sync(kTurnBar0 + me, 256);
-          wgmma_fence();
-          c.issue_pv(dv, pa);
-          wgmma_commit();
-          if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
-          wgmma_wait<0>();
-          fence_regs(c.o_tile);
-          mbar_arrive(&empty[sp]);
-          c.accumulate(al0, al1);
-        }
-      } else {
-        // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
-        // and turn-taking between the two consumer warpgroups.
-        if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
-        mbar_wait(&full[stage(0)], phase(0));
-        {
-          const uint64_t dk = c.desc_k(stage(0));
-          named_bar_sync(kTurnBar0 + me, 256);
-          wgmma_fence();
-          c.issue_qk(dk);
-          wgmma_commit();
-          named_bar_arrive(kTurnBar0 + other, 256);
-          wgmma_wait<0>();
-          fence_regs(c.acc);
-        }
-        // Two P buffers used alternately (the loop is unrolled by two), so the
-        // registers an in-flight P.V reads are never the ones the next softmax
-        // writes; a copy between them would let ptxas merge the two and
-        // serialize the wgmmas.
-        uint32_t pa_a[C::KS][4], pa_b[C::KS][4];
-        float al_a0, al_a1, al_b0, al_b1;
-        int kb[kHalves];
-        float ksc[kHalves];
+    for (int hh = 0; hh < kHalves; ++hh) kb[hh] = block_of(u, hh);
+  };
+  if (n_steps > 0) {
+    mbar_wait(qbar, 0);
+    const int me = c.cw, other = c.cw ^ 1;
+    if constexpr (kSchedule == kWide) {
+      // Turn-taking: in its turn a warpgroup issues P.V(u-1) then Q.K^T(u);
+      // it then folds P.V(u-1) into O while Q.K^T(u) runs, and does the
+      // softmax of step u while the other warpgroup has its turn.
+      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+      uint32_t pa[C::KS][4];
+      float al0, al1;
+      int kb[kHalves];
+      float ksc[kHalves];
+      mbar_wait(&full[0], 0);
+      {
+        const uint64_t dk = c.desc_k(0);
         blocks(0, kb);
         c.load_kscale(kb, ksc);
-        c.softmax(kb, ksc, pa_a, al_a0, al_a1);
-        auto step = [&](int t, const uint32_t(&pin)[C::KS][4], float ain0, float ain1, uint32_t(&pout)[C::KS][4],
-                        float& aout0, float& aout1) {
-          const int s = stage(t), sp = stage(t - 1);
-          mbar_wait(&full[s], phase(t));
-          const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
-          named_bar_sync(kTurnBar0 + me, 256);
-          wgmma_fence();
-          c.issue_qk(dk);
-          wgmma_commit();
-          c.issue_pv(dv, pin);
-          wgmma_commit();
-          named_bar_arrive(kTurnBar0 + other, 256);
-          wgmma_wait<1>();
-          fence_regs(c.acc);
-          int kbt[kHalves];
-          float kst[kHalves];
-          blocks(t, kbt);
-          c.load_kscale(kbt, kst);
-          c.softmax(kbt, kst, pout, aout0, aout1);
-          wgmma_wait<0>();
-          fence_regs(c.o_tile);
-          mbar_arrive(&empty[sp]);
-          c.accumulate(ain0, ain1);
-        };
-        auto last = [&](const uint32_t(&pin)[C::KS][4], float ain0, float ain1) {
-          const int sp = stage(n_steps - 1);
-          const uint64_t dv = c.desc_v(sp);
-          named_bar_sync(kTurnBar0 + me, 256);
-          wgmma_fence();
-          c.issue_pv(dv, pin);
-          wgmma_commit();
-          if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
-          wgmma_wait<0>();
-          fence_regs(c.o_tile);
-          mbar_arrive(&empty[sp]);
-          c.accumulate(ain0, ain1);
-        };
-        int t = 1;
-        for (; t + 1 < n_steps; t += 2) {
-          step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
-          step(t + 1, pa_b, al_b0, al_b1, pa_a, al_a0, al_a1);
-        }
-        if (t < n_steps) {
-          step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
-          last(pa_b, al_b0, al_b1);
-        } else {
-          last(pa_a, al_a0, al_a1);
-        }
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_qk(dk);
+        wgmma_commit();
+        named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<0>();
+        fence_regs(c.acc);
+        c.softmax(kb, ksc, pa, al0, al1);
       }
-      mbar_arrive(&qempty[qbuf]);  // this row's Q.K^T products are all complete
-      g += n_steps;
-      ++qi;
+      for (int u = 1; u < n_steps; ++u) {
+        const int s = u % kStages, sp = (u - 1) % kStages;
+        mbar_wait(&full[s], (u / kStages) & 1);
+        const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+        blocks(u, kb);
+        c.load_kscale(kb, ksc);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_pv(dv, pa);
+        wgmma_commit();
+        c.issue_qk(dk);
+        wgmma_commit();
+        named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<1>();  // P.V(u-1) done
+        fence_regs(c.o_tile);
+        fence_regs(pa);
+        mbar_arrive(&empty[sp]);
+        c.accumulate(al0, al1);
+        wgmma_wait<0>();  // Q.K^T(u) done
+        fence_regs(c.acc);
+        c.softmax(kb, ksc, pa, al0, al1);
+      }
+      {
+        const int sp = (n_steps - 1) % kStages;
+        const uint64_t dv = c.desc_v(sp);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_pv(dv, pa);
+        wgmma_commit();
+        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+        wgmma_wait<0>();
+        fence_regs(c.o_tile);
+        mbar_arrive(&empty[sp]);
+        c.accumulate(al0, al1);
+      }
+    } else {
+      // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
+      // and turn-taking between the two consumer warpgroups.
+      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+      mbar_wait(&full[0], 0);
+      {
+        const uint64_t dk = c.desc_k(0);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_qk(dk);
+        wgmma_commit();
+        named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<0>();
+        fence_regs(c.acc);
+      }
+      // Two P buffers used alternately (the loop is unrolled by two), so the
+      // registers an in-flight P.V reads are never the ones the next softmax
+      // writes; a copy between them would let ptxas merge the two and
+      // serialize the wgmmas.
+      uint32_t pa_a[C::KS][4], pa_b[C::KS][4];
+      float al_a0, al_a1, al_b0, al_b1;
+      int kb[kHalves];
+      float ksc[kHalves];
+      blocks(0, kb);
+      c.load_kscale(kb, ksc);
+      c.softmax(kb, ksc, pa_a, al_a0, al_a1);
+      auto step = [&](int t, const uint32_t(&pin)[C::KS][4], float ain0, float ain1, uint32_t(&pout)[C::KS][4],
+                      float& aout0, float& aout1) {
+        const int s = t % kStages, sp = (t - 1) % kStages;
+        mbar_wait(&full[s], (t / kStages) & 1);
+        const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_qk(dk);
+        wgmma_commit();
+        c.issue_pv(dv, pin);
+        wgmma_commit();
+        named_bar_arrive(kTurnBar0 + other, 256);
+        wgmma_wait<1>();
+        fence_regs(c.acc);
+        int kbt[kHalves];
+        float kst[kHalves];
+        blocks(t, kbt);
+        c.load_kscale(kbt, kst);
+        c.softmax(kbt, kst, pout, aout0, aout1);
+        wgmma_wait<0>();
+        fence_regs(c.o_tile);
+        mbar_arrive(&empty[sp]);
+        c.accumulate(ain0, ain1);
+      };
+      auto last = [&](const uint32_t(&pin)[C::KS][4], float ain0, float ain1) {
+        const int sp = (n_steps - 1) % kStages;
+        const uint64_t dv = c.desc_v(sp);
+        named_bar_sync(kTurnBar0 + me, 256);
+        wgmma_fence();
+        c.issue_pv(dv, pin);
+        wgmma_commit();
+        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+        wgmma_wait<0>();
+        fence_regs(c.o_tile);
+        mbar_arrive(&empty[sp]);
+        c.accumulate(ain0, ain1);
+      };
+      int t = 1;
+      for (; t + 1 < n_steps; t += 2) {
+        step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
+        step(t + 1, pa_b, al_b0, al_b1, pa_a, al_a0, al_a1);
+      }
+      if (t < n_steps) {
+        step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
+        last(pa_b, al_b0, al_b1);
+      } else {
+        last(pa_a, al_a0, al_a1);
+      }
     }
-    c.epilogue();
   }
+  c.epilogue();
 #endif
 }
 
@@ -683,11 +632,7 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   }
   auto kernel = attn_int8fp8_kernel<D, kCausal, kSchedule, kVTerms>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
-  // Persistent grid: one CTA per SM (the kernel is register-bound at one CTA
-  // per SM), each walking its stripe of order[].
-  int sms = 0;
-  SPARGE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pb.device_id));
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(int64_t(bhq * pb.nQB), int64_t(sms > 0 ? sms : 1)));
+  const unsigned grid = static_cast<unsigned>(bhq * pb.nQB);
   kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, tvlo, prm);
   SPARGE_LAUNCH_CHECK("attn_int8fp8_kernel");
   return SPARGE_OK;
@@ -745,7 +690,6 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   prm.Lkv = static_cast<int>(pb.Lkv);
   prm.nQB = static_cast<int>(pb.nQB);
   prm.nKB = static_cast<int>(pb.nKB);
-  prm.n_rows = static_cast<int>(rows);
   prm.scale_log2 = pb.scale * kLog2e;
   prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
   if (pb.D == 128) {
