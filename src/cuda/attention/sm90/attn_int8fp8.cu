@@ -436,6 +436,34 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (n_steps > 0) {
     mbar_wait(qbar, 0);
     const int me = c.cw, other = c.cw ^ 1;
+    // The first turn, common to both schedules: Q.K^T(0) alone, waited for.
+    // `before_turn` runs between the stage wait and the turn (global loads).
+    auto first_qk = [&](auto before_turn) {
+      mbar_wait(&full[0], 0);
+      const uint64_t dk = c.desc_k(0);
+      before_turn();
+      named_bar_sync(kTurnBar0 + me, 256);
+      wgmma_fence();
+      c.issue_qk(dk);
+      wgmma_commit();
+      named_bar_arrive(kTurnBar0 + other, 256);
+      wgmma_wait<0>();
+      fence_regs(c.acc);
+    };
+    // The last turn: P.V of the last step, folded into O.
+    auto last_pv = [&](const uint32_t(&pin)[C::KS][4], float ain0, float ain1) {
+      const int sp = (n_steps - 1) % kStages;
+      const uint64_t dv = c.desc_v(sp);
+      named_bar_sync(kTurnBar0 + me, 256);
+      wgmma_fence();
+      c.issue_pv(dv, pin);
+      wgmma_commit();
+      if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+      wgmma_wait<0>();
+      fence_regs(c.o_tile);
+      mbar_arrive(&empty[sp]);
+      c.accumulate(ain0, ain1);
+    };
     if constexpr (kSchedule == kWide) {
       // Turn-taking: in its turn a warpgroup issues P.V(u-1) then Q.K^T(u);
       // it then folds P.V(u-1) into O while Q.K^T(u) runs, and does the
@@ -445,20 +473,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       float al0, al1;
       int kb[kHalves];
       float ksc[kHalves];
-      mbar_wait(&full[0], 0);
-      {
-        const uint64_t dk = c.desc_k(0);
+      first_qk([&] {
         blocks(0, kb);
         c.load_kscale(kb, ksc);
-        named_bar_sync(kTurnBar0 + me, 256);
-        wgmma_fence();
-        c.issue_qk(dk);
-        wgmma_commit();
-        named_bar_arrive(kTurnBar0 + other, 256);
-        wgmma_wait<0>();
-        fence_regs(c.acc);
-        c.softmax(kb, ksc, pa, al0, al1);
-      }
+      });
+      c.softmax(kb, ksc, pa, al0, al1);
       for (int u = 1; u < n_steps; ++u) {
         const int s = u % kStages, sp = (u - 1) % kStages;
         mbar_wait(&full[s], (u / kStages) & 1);
@@ -481,34 +500,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_regs(c.acc);
         c.softmax(kb, ksc, pa, al0, al1);
       }
-      {
-        const int sp = (n_steps - 1) % kStages;
-        const uint64_t dv = c.desc_v(sp);
-        named_bar_sync(kTurnBar0 + me, 256);
-        wgmma_fence();
-        c.issue_pv(dv, pa);
-        wgmma_commit();
-        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
-        wgmma_wait<0>();
-        fence_regs(c.o_tile);
-        mbar_arrive(&empty[sp]);
-        c.accumulate(al0, al1);
-      }
+      last_pv(pa, al0, al1);
     } else {
       // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
       // and turn-taking between the two consumer warpgroups.
       if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
-      mbar_wait(&full[0], 0);
-      {
-        const uint64_t dk = c.desc_k(0);
-        named_bar_sync(kTurnBar0 + me, 256);
-        wgmma_fence();
-        c.issue_qk(dk);
-        wgmma_commit();
-        named_bar_arrive(kTurnBar0 + other, 256);
-        wgmma_wait<0>();
-        fence_regs(c.acc);
-      }
+      first_qk([] {});
       // Two P buffers used alternately (the loop is unrolled by two), so the
       // registers an in-flight P.V reads are never the ones the next softmax
       // writes; a copy between them would let ptxas merge the two and
@@ -544,19 +541,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(&empty[sp]);
         c.accumulate(ain0, ain1);
       };
-      auto last = [&](const uint32_t(&pin)[C::KS][4], float ain0, float ain1) {
-        const int sp = (n_steps - 1) % kStages;
-        const uint64_t dv = c.desc_v(sp);
-        named_bar_sync(kTurnBar0 + me, 256);
-        wgmma_fence();
-        c.issue_pv(dv, pin);
-        wgmma_commit();
-        if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
-        wgmma_wait<0>();
-        fence_regs(c.o_tile);
-        mbar_arrive(&empty[sp]);
-        c.accumulate(ain0, ain1);
-      };
       int t = 1;
       for (; t + 1 < n_steps; t += 2) {
         step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
@@ -564,9 +548,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (t < n_steps) {
         step(t, pa_a, al_a0, al_a1, pa_b, al_b0, al_b1);
-        last(pa_b, al_b0, al_b1);
+        last_pv(pa_b, al_b0, al_b1);
       } else {
-        last(pa_a, al_a0, al_a1);
+        last_pv(pa_a, al_a0, al_a1);
       }
     }
   }
