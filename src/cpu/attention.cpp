@@ -248,7 +248,7 @@ void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV&
   std::vector<float> t, acc(static_cast<size_t>(D));
   std::vector<int64_t> tiles;
   for (int64_t i = 0; i < p.Lq; ++i) {
-    if (i == 0 || i % p.BQ == 0) listed_tiles(p, mask, io.b, io.h, i / p.BQ, tiles);
+    if (i % p.BQ == 0) listed_tiles(p, mask, io.b, io.h, i / p.BQ, tiles);
     const RowMask rm = row_mask(p, mask, io.b, io.h, i);
     const float* qi = qh.data() + i * D;
     // per-token Q quantization

@@ -23,18 +23,20 @@ sparge_predict_params_t no_smoothing() {
 struct Tiny {
   HostTensor out, lse;
 };
+// A float32 [1, 1, L, D] tensor holding one head's rows.
+HostTensor one_head(const std::vector<float>& x, int64_t L, int64_t D) {
+  HostTensor t = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, L, D, Layout::HND);
+  std::memcpy(t.mem.get(), x.data(), x.size() * 4);
+  return t;
+}
+
 Tiny run_tiny(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
               const std::vector<float>& v, float scale, bool smooth, const std::vector<uint8_t>& keys = {}) {
   auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_INT8_FP8);
   prob.scale = scale;
   if (!keys.empty()) prob.block_k = 1;  // per-key mask
   Plan plan(prob);
-  HostTensor tq = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
-  HostTensor tk = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
-  HostTensor tv = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
-  std::memcpy(tq.mem.get(), q.data(), q.size() * 4);
-  std::memcpy(tk.mem.get(), k.data(), k.size() * 4);
-  std::memcpy(tv.mem.get(), v.data(), v.size() * 4);
+  HostTensor tq = one_head(q, Lq, D), tk = one_head(k, Lkv, D), tv = one_head(v, Lkv, D);
   Tiny t{make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND), make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq})};
   HostTensor mask = full_mask(1, 1, ceil_div(Lq, 128), keys.empty() ? ceil_div(Lkv, 64) : Lkv);
   for (size_t j = 0; j < keys.size(); ++j)
@@ -252,12 +254,7 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
       for (auto& x : v) x = nd(rng) * 3.0f;
       for (int64_t c = 0; c < D; ++c) v[size_t(5 * D + c)] = 0.0f;  // a zero row of V
       for (int64_t c = 0; c < D; ++c) q[size_t(7 * D + c)] = 0.0f;  // a zero row of Q
-      HostTensor tq = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
-      HostTensor tk = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
-      HostTensor tv = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
-      std::memcpy(tq.mem.get(), q.data(), q.size() * 4);
-      std::memcpy(tk.mem.get(), k.data(), k.size() * 4);
-      std::memcpy(tv.mem.get(), v.data(), v.size() * 4);
+      HostTensor tq = one_head(q, Lq, D), tk = one_head(k, Lkv, D), tv = one_head(v, Lkv, D);
       const int64_t nQB = ceil_div(Lq, bq), nKB = ceil_div(Lkv, bk);
       HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, nQB, nKB});
       for (int64_t i = 0; i < nQB; ++i)
