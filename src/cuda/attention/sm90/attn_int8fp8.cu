@@ -9,7 +9,8 @@
 //   WG1, WG2  consumers, 64 query rows each, steps of two listed 64-key
 //        blocks (128 keys; the 64-key pingpong schedule is an A/B switch):
 //        S = Q K^T   int8 wgmma m64n128k32 (IGMMA), s32 accumulators
-//        online softmax in base 2 on the dequantized scores
+//        online softmax in base 2 on the dequantized scores (row max while
+//             the previous step's P.V runs, then the exponentials)
 //        P -> e4m3 in registers (the accumulator layout is reused as the A
 //             operand; V^T's token order is permuted to match, see perm32)
 //        O_tile = P V  fp8 wgmma m64nDk32 (QGMMA) into a fresh accumulator,
@@ -48,9 +49,10 @@ constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is
 // Consumer schedules (see docs/KERNELS-SM90.md):
 //   kWide       (default, the specified rounding) 128 keys per step: two
 //               listed 64-key blocks side by side, the warpgroups taking turns
-//               to issue P.V(u-1) and Q.K^T(u) back to back; one P buffer (no
-//               intra-warpgroup overlap) keeps the wider accumulators within
-//               the register budget;
+//               to issue Q.K^T(u) and P.V(u-1) back to back; the row max of
+//               step u runs while P.V(u-1) is in flight, the exponentials
+//               after it (one P buffer keeps the wider accumulators within
+//               the register budget);
 //   kPingPong   64 keys per step, softmax of tile t while P.V of tile t-1 runs
 //               plus turn-taking between the warpgroups. Kept for A/B
 //               measurements only: its P rounding follows a 64-key running
@@ -195,10 +197,20 @@ struct Consumer {
     for (int hh = 0; hh < kHalves; ++hh) ks[hh] = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
   }
 
-  // Online softmax of the scores in `acc`: key block kb[hh] fills columns
-  // [64*hh, 64*hh + 64) (kb[hh] < 0: no block, all masked); ks[hh] its K
-  // scale. Updates m, l; returns the rescale factors of the previous
-  // accumulator and P as e4m3 A fragments.
+  // What the row-max phase hands to the exponentials: per 64-key half the
+  // dequantization factor of each row, the shift (log2(448) - new max) of
+  // each row, and whether any score of the step is masked.
+  struct StepScale {
+    float f0[kHalves], f1[kHalves];
+    float c0, c1;
+    bool masked_any;
+  };
+
+  // Online softmax of the scores in `acc`, phase 1: key block kb[hh] fills
+  // columns [64*hh, 64*hh + 64) (kb[hh] < 0: no block, all masked); ks[hh] its
+  // K scale. Masks, takes the row max, updates m and returns the rescale
+  // factors of the previous accumulator. Reads `acc` only, so it can run while
+  // a P.V that reads the P registers is still in flight.
   //
   // Instructions per score: an exact int->float (IADD + FADD at D = 128, I2FP
   // at D = 64), a three-input IMNMX per two scores (row max on the integers),
@@ -206,19 +218,19 @@ struct Consumer {
   // (row sum) and half an F2FP. Since f > 0, max_j float(x_j)*f ==
   // float(max_j x_j)*f exactly, so the running max equals the reference's bit
   // for bit.
-  __device__ __forceinline__ void softmax(const int (&kb)[kHalves], const float (&ks)[kHalves],
-                                          uint32_t (&pa)[KS][4], float& alpha0, float& alpha1) {
+  __device__ __forceinline__ StepScale row_max(const int (&kb)[kHalves], const float (&ks)[kHalves], float& alpha0,
+                                               float& alpha1) {
     constexpr int32_t kMasked = INT32_MIN;
-    float f0[kHalves], f1[kHalves];
-    bool masked_any = false;
+    StepScale st;
+    st.masked_any = false;
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) {
-      f0[hh] = qs0 * ks[hh];
-      f1[hh] = qs1 * ks[hh];
+      st.f0[hh] = qs0 * ks[hh];
+      st.f1[hh] = qs1 * ks[hh];
       const int key0 = kb[hh] * kBK;
       const bool need_mask =
           (kb[hh] < 0) || (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
-      masked_any |= need_mask;
+      st.masked_any |= need_mask;
       if (need_mask) {
 #pragma unroll
         for (int jj = 0; jj < 32; ++jj) {
@@ -244,8 +256,8 @@ struct Consumer {
       im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
       im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));
       im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 2));
-      if (im0 != kMasked) mx0 = fmaxf(mx0, small_int_to_float(im0) * f0[hh]);
-      if (im1 != kMasked) mx1 = fmaxf(mx1, small_int_to_float(im1) * f1[hh]);
+      if (im0 != kMasked) mx0 = fmaxf(mx0, small_int_to_float(im0) * st.f0[hh]);
+      if (im1 != kMasked) mx1 = fmaxf(mx1, small_int_to_float(im1) * st.f1[hh]);
     }
     const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
     const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
@@ -259,22 +271,35 @@ struct Consumer {
     // would round a constant of size 1.26e7*f, an error that grows with the
     // score scale: measurable on inputs with outlier channels.)
     constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
-    const float c0 = kLog2Fp8Max - mu0;
-    const float c1 = kLog2Fp8Max - mu1;
+    st.c0 = kLog2Fp8Max - mu0;
+    st.c1 = kLog2Fp8Max - mu1;
+    return st;
+  }
+
+  // Phase 2: P = exp2(...) as e4m3 A fragments into `pa`, row sums into l.
+  // `alongside()` runs first in the same basic block (the wide schedule folds
+  // the previous P.V into O there, so ptxas can interleave those FFMAs with
+  // the exponentials' latency).
+  //
+  // Two copies of the exponentials: steps without a masked score (all but
+  // the causal diagonal and the ragged end) skip the compare-and-select per
+  // score. masked_any is uniform over the warpgroup (it depends on the key
+  // blocks and the warpgroup's first row only), so the branch never diverges.
+  // Each P.V k-step's 16 scores are exponentiated and packed to e4m3 before
+  // the next ones, which keeps few of them live (register pressure limits how
+  // many independent exponentials ptxas can keep in flight).
+  //
+  // k-step ks of P.V covers step columns [32ks, 32ks+32): accumulator chunks
+  // c = 4ks .. 4ks+3, i.e. acc[16ks .. 16ks+15]. The A fragment wants, per
+  // thread, k = 4*quad + (0..3) and 16 + 4*quad + (0..3); V^T's token order
+  // (perm32) makes the columns this thread holds land exactly there.
+  template <typename Alongside>
+  __device__ __forceinline__ void exponentiate(const StepScale& st, float alpha0, float alpha1,
+                                               uint32_t (&pa)[KS][4], Alongside alongside) {
+    constexpr int32_t kMasked = INT32_MIN;
     float rs0 = 0.f, rs1 = 0.f;
-    // Two copies of the exponentials: steps without a masked score (all but
-    // the causal diagonal and the ragged end) skip the compare-and-select per
-    // score. masked_any is uniform over the warpgroup (it depends on the key
-    // blocks and the warpgroup's first row only), so the branch never diverges.
-    // Each P.V k-step's 16 scores are exponentiated and packed to e4m3 before
-    // the next ones, which keeps few of them live (register pressure limits how
-    // many independent exponentials ptxas can keep in flight).
-    //
-    // k-step ks of P.V covers step columns [32ks, 32ks+32): accumulator chunks
-    // c = 4ks .. 4ks+3, i.e. acc[16ks .. 16ks+15]. The A fragment wants, per
-    // thread, k = 4*quad + (0..3) and 16 + 4*quad + (0..3); V^T's token order
-    // (perm32) makes the columns this thread holds land exactly there.
     auto exps = [&](auto masked) {
+      alongside();
 #pragma unroll
       for (int ksp = 0; ksp < KS; ++ksp) {
         float x[16];
@@ -286,7 +311,7 @@ struct Consumer {
           // the quarter-rate pipe I2FP shares with MUFU is the busier; H200 A/B:
           // I2FP -2.4 % time at D = 64, +1 % at D = 128). Both are exact.
           const float sj = (D == 64) ? __int2float_rn(acc[j]) : small_int_to_float(acc[j]);
-          float pj = fast_exp2(fmaf(sj, (j & 2) ? f1[hh] : f0[hh], (j & 2) ? c1 : c0));
+          float pj = fast_exp2(fmaf(sj, (j & 2) ? st.f1[hh] : st.f0[hh], (j & 2) ? st.c1 : st.c0));
           if constexpr (decltype(masked)::value) {
             if (acc[j] == kMasked) pj = 0.f;
           }
@@ -300,7 +325,7 @@ struct Consumer {
         pa[ksp][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
       }
     };
-    if (masked_any) {
+    if (st.masked_any) {
       exps(std::true_type{});
     } else {
       exps(std::false_type{});
@@ -308,6 +333,13 @@ struct Consumer {
     // Row sums are kept in units of 448 (undone in the epilogue).
     l0 = l0 * alpha0 + rs0;
     l1 = l1 * alpha1 + rs1;
+  }
+
+  // Both phases back to back.
+  __device__ __forceinline__ void softmax(const int (&kb)[kHalves], const float (&ks)[kHalves],
+                                          uint32_t (&pa)[KS][4], float& alpha0, float& alpha1) {
+    const StepScale st = row_max(kb, ks, alpha0, alpha1);
+    exponentiate(st, alpha0, alpha1, pa, [] {});
   }
 
   // O = O * alpha + O_tile (two-level accumulation in fp32).
@@ -465,9 +497,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       c.accumulate(ain0, ain1);
     };
     if constexpr (kSchedule == kWide) {
-      // Turn-taking: in its turn a warpgroup issues P.V(u-1) then Q.K^T(u);
-      // it then folds P.V(u-1) into O while Q.K^T(u) runs, and does the
-      // softmax of step u while the other warpgroup has its turn.
+      // Turn-taking: in its turn a warpgroup issues Q.K^T(u) then P.V(u-1);
+      // it takes the row max of step u while P.V(u-1) runs, then folds
+      // P.V(u-1) into O alongside the exponentials of step u, which overwrite
+      // the P registers P.V(u-1) read. The other warpgroup has its turn
+      // meanwhile.
+      // Whether the row max of step u really runs under P.V(u-1): yes, except
+      // for causal D = 128, where the longer live ranges make ptxas spill
+      // inside the loop (H200 A/B, docs/PERF-NOTES.md v13: +9 % time there,
+      // -1..-4 % everywhere else).
+      constexpr bool kMaxUnderPV = !(kCausal && D == 128);
       if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
       uint32_t pa[C::KS][4];
       float al0, al1;
@@ -486,19 +525,35 @@ __global__ void __launch_bounds__(kThreads, 1)
         c.load_kscale(kb, ksc);
         named_bar_sync(kTurnBar0 + me, 256);
         wgmma_fence();
-        c.issue_pv(dv, pa);
-        wgmma_commit();
         c.issue_qk(dk);
         wgmma_commit();
+        c.issue_pv(dv, pa);
+        wgmma_commit();
         named_bar_arrive(kTurnBar0 + other, 256);
-        wgmma_wait<1>();  // P.V(u-1) done
-        fence_regs(c.o_tile);
-        fence_regs(pa);
-        mbar_arrive(&empty[sp]);
-        c.accumulate(al0, al1);
-        wgmma_wait<0>();  // Q.K^T(u) done
+        wgmma_wait<1>();  // Q.K^T(u) done
         fence_regs(c.acc);
-        c.softmax(kb, ksc, pa, al0, al1);
+        float nal0, nal1;
+        const typename C::StepScale st = c.row_max(kb, ksc, nal0, nal1);
+        if constexpr (kMaxUnderPV) {
+          // The wait sits inside the exponentials' branch arms: ptxas
+          // schedules within a basic block and would otherwise sink the row
+          // max below the wait.
+          c.exponentiate(st, nal0, nal1, pa, [&] {
+            wgmma_wait<0>();  // P.V(u-1) done
+            fence_regs(c.o_tile);
+            fence_regs(pa);
+            mbar_arrive(&empty[sp]);
+            c.accumulate(al0, al1);
+          });
+        } else {
+          wgmma_wait<0>();  // P.V(u-1) done
+          fence_regs(c.o_tile);
+          fence_regs(pa);
+          mbar_arrive(&empty[sp]);
+          c.exponentiate(st, nal0, nal1, pa, [&] { c.accumulate(al0, al1); });
+        }
+        al0 = nal0;
+        al1 = nal1;
       }
       last_pv(pa, al0, al1);
     } else {
