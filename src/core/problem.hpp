@@ -142,7 +142,7 @@ struct WorkspaceLayout {
   size_t v_f8_lo = 0;   // fp8   like v_f8: the second term of split V (INT8_FP8_SPLIT_V)
   size_t idx = 0;       // int32 [B*Hq, nQB, nKB]    kept key blocks, ascending
   size_t cnt = 0;       // int32 [B*Hq, nQB]
-  size_t order = 0;     // int32 [B*Hq*nQB]          work order, heaviest first
+  size_t order = 0;     // int32 [B*Hq*nQB]          work order: group-major, heaviest first in a group
   size_t col_part = 0;  // double [B*Hkv, nChunk, D] K column sums, then float [B*Hkv, nChunk, D]
                         // V column max|.|; nChunk = ceil(Lkv / kGpuColChunk)
 };

@@ -36,7 +36,7 @@ struct AttnArgs {
   // sparsity (workspace)
   const int32_t* idx = nullptr;    // [B*Hq, nQB, nKB] kept key blocks, ascending
   const int32_t* cnt = nullptr;    // [B*Hq, nQB]
-  const int32_t* order = nullptr;  // [B*Hq*nQB] (bh*nQB + qb), heaviest rows first
+  const int32_t* order = nullptr;  // [B*Hq*nQB] (bh*nQB + qb), K/V group by group, heaviest rows first within one
   // outputs
   Tensor4 out;
   LseView lse;                     // lse.data == nullptr: not wanted

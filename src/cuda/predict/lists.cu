@@ -1,6 +1,6 @@
 // Mask -> per-row index lists for the attention kernels: idx (kept and
-// causally visible key blocks, ascending), cnt, and a work order with the
-// heaviest rows (largest cnt) first.
+// causally visible key blocks, ascending), cnt, and a work order: K/V group
+// by group, the heaviest rows (largest cnt) first within a group.
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/internal.cuh"
@@ -52,18 +52,29 @@ __global__ void __launch_bounds__(kListWarps * 32) mask_to_lists_kernel(const Li
   if (lane == 0) a.cnt[row] = base;
 }
 
-// Work order: a counting sort of the rows by cnt, descending, in one CTA.
-// Rows of equal cnt keep no particular order among themselves.
-constexpr int kOrderThreads = 1024;
+// Work order: group-major (one group = the query heads that share a K/V
+// head, rows contiguous), heaviest rows first within a group. Rows that read
+// the same K and V run at the same time and find their key tiles in L2, while
+// within a group the long rows start first and short ones fill in behind.
+// (Sorting all rows by cnt scattered the rows of a random or predicted mask
+// over every head: at N = 8K, density 0.1, the attention kernel read 450 MB
+// from DRAM for about 160 MB of operands and output.)
+//
+// One CTA per group: a counting sort of its rows by cnt, descending; rows of
+// equal cnt keep no particular order among themselves.
+constexpr int kOrderThreads = 512;
 
-__global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __restrict__ cnt, int64_t rows,
+__global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __restrict__ cnt, int64_t group_rows,
                                                               int nbins, int32_t* __restrict__ order) {
   extern __shared__ int hist[];  // nbins = nKB + 1 counters
-  __shared__ int wsum[32];
+  __shared__ int wsum[kOrderThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t r0 = int64_t(blockIdx.x) * group_rows;
+  cnt += r0;
+  order += r0;
   for (int i = tid; i < nbins; i += kOrderThreads) hist[i] = 0;
   __syncthreads();
-  for (int64_t r = tid; r < rows; r += kOrderThreads) atomicAdd(&hist[cnt[r]], 1);
+  for (int64_t r = tid; r < group_rows; r += kOrderThreads) atomicAdd(&hist[cnt[r]], 1);
   __syncthreads();
   // exclusive scan in descending cnt order: start[k] = sum of hist[k'] for k' > k.
   // Thread t owns the reversed bins u in [t*seg, (t+1)*seg), bin k = nbins-1-u.
@@ -96,9 +107,9 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __r
     run += c;
   }
   __syncthreads();
-  for (int64_t r = tid; r < rows; r += kOrderThreads) {
+  for (int64_t r = tid; r < group_rows; r += kOrderThreads) {
     const int pos = atomicAdd(&hist[cnt[r]], 1);
-    order[pos] = int32_t(r);
+    order[pos] = int32_t(r0 + r);
   }
 }
 
@@ -127,7 +138,9 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
   const size_t smem = size_t(nbins) * sizeof(int);
   if (smem > 48 * 1024)
     SPARGE_CUDA_TRY(cudaFuncSetAttribute(order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  order_kernel<<<1, kOrderThreads, smem, stream>>>(la.cnt, rows, nbins, ws_ptr<int32_t>(base, L.order));
+  const int64_t groups = p.B * p.Hkv, group_rows = p.group() * p.nQB;
+  order_kernel<<<unsigned(groups), kOrderThreads, smem, stream>>>(la.cnt, group_rows, nbins,
+                                                                  ws_ptr<int32_t>(base, L.order));
   SPARGE_LAUNCH_CHECK("sparge work-order kernel");
   return SPARGE_OK;
 }
