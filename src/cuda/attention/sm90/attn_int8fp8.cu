@@ -45,6 +45,7 @@ constexpr int kBK = 64;   // keys per tile (= mask block cols)
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
+constexpr int kVScaleBar = 3;  // named barrier 3: the V scales in shared memory are ready
 
 // Consumer schedules (see docs/KERNELS-SM90.md):
 //   kWide       (default, the specified rounding) 128 keys per step: two
@@ -77,7 +78,8 @@ struct SmemLayout {
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
-  static constexpr int kBar = kV + kStages * kVStage;
+  static constexpr int kVScale = kV + kStages * kVStage;  // D floats: v_amax / 448
+  static constexpr int kBar = kVScale + D * 4;
   static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
 };
@@ -348,15 +350,16 @@ struct Consumer {
     for (int j = 0; j < NO; ++j) o[j] = fmaf(o[j], (j & 2) ? alpha1 : alpha0, o_tile[j]);
   }
 
-  __device__ __forceinline__ void epilogue() {
+  // vscale: shared-memory copy of v_amax * (1/448), written by the producer
+  // warpgroup's second warp at the start (its latency off the tail of the CTA).
+  __device__ __forceinline__ void epilogue(const float* vscale) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
     const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
-    const float* vamax = p.v_amax + int64_t(bhkv) * D;
-    constexpr float kDequantPV = 1.f / kFp8Max;  // l carries the other 1/448
+    named_bar_sync(kVScaleBar, 256 + 32);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = half ? row1 : row0;
@@ -367,8 +370,8 @@ struct Consumer {
 #pragma unroll
       for (int c = 0; c < D / 8; ++c) {
         const int col = 8 * c + 2 * quad;
-        const float x0 = o[c * 4 + 2 * half + 0] * (vamax[col] * kDequantPV) * inv;
-        const float x1 = o[c * 4 + 2 * half + 1] * (vamax[col + 1] * kDequantPV) * inv;
+        const float x0 = o[c * 4 + 2 * half + 0] * vscale[col] * inv;
+        const float x1 = o[c * 4 + 2 * half + 1] * vscale[col + 1] * inv;
         if (p.out_bf16) {
           *reinterpret_cast<__nv_bfloat162*>(orow + 2 * col) = __floats2bfloat162_rn(x0, x1);
         } else {
@@ -416,44 +419,66 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t* tiles = p.idx + int64_t(row_id) * p.nKB;
   // Key block of half hh of step u; -1 past the end (odd count, wide steps).
   auto block_of = [&](int u, int hh) { return (u * kHalves + hh < n_tiles) ? tiles[u * kHalves + hh] : -1; };
+  // Stage s <- step u: K tiles and V^T tiles (hi, and lo for split V).
+  auto load_stage = [&](int s, const int (&kbh)[kHalves]) {
+    mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVStage);
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) {
+      // A missing second block loads the first again (finite data; its
+      // scores are masked), so every stage completes the same byte count.
+      const int kb = kbh[hh] >= 0 ? kbh[hh] : kbh[0];
+      tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
+      tma_load_2d(sv + s * L::kVStage + hh * L::kVTile, &tm_v, &full[s], kb * kBK, bhkv * D);
+      if (kVTerms == 2)
+        tma_load_2d(sv + s * L::kVStage + L::kVBytes + hh * L::kVTile, &tm_vlo, &full[s], kb * kBK, bhkv * D);
+    }
+  };
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    // The first entries of the row's list are read alongside its count (they
+    // are inside the row's nKB entries whatever the count), so the first
+    // stage waits for one global load after `order`, not two.
+    int first[kHalves];
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < p.nKB) ? tiles[hh] : -1;
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 256);
     }
     mbar_init(qbar, 1);
     mbar_fence_init();
+    // Q first (it needs the row only), then stage 0, before the CTA-wide
+    // barrier; the consumers wait for Q even on an empty row.
+    mbar_arrive_expect_tx(qbar, L::kQBytes);
+    tma_load_2d(sq, &tm_q, qbar, 0, row_id * kBQ);
+    if (n_steps > 0) {
+#pragma unroll
+      for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < n_tiles) ? first[hh] : -1;
+      load_stage(0, first);
+    }
   }
   __syncthreads();
 
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     regs_dealloc<kProducerRegs>();
-    if (threadIdx.x == 0 && n_steps > 0) {
-      tma_prefetch_map(&tm_q);
-      tma_prefetch_map(&tm_k);
-      tma_prefetch_map(&tm_v);
-      if (kVTerms == 2) tma_prefetch_map(&tm_vlo);
-      mbar_arrive_expect_tx(qbar, L::kQBytes);
-      tma_load_2d(sq, &tm_q, qbar, 0, row_id * kBQ);
-      for (int u = 0; u < n_steps; ++u) {
+    if (threadIdx.x == 0) {
+      for (int u = 1; u < n_steps; ++u) {
         const int s = u % kStages;
         if (u >= kStages) mbar_wait(&empty[s], ((u / kStages) - 1) & 1);
-        mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVStage);
+        int kbh[kHalves];
 #pragma unroll
-        for (int hh = 0; hh < kHalves; ++hh) {
-          // A missing second block loads the first again (finite data; its
-          // scores are masked), so every stage completes the same byte count.
-          const int kbh = block_of(u, hh);
-          const int kb = kbh >= 0 ? kbh : block_of(u, 0);
-          tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
-          tma_load_2d(sv + s * L::kVStage + hh * L::kVTile, &tm_v, &full[s], kb * kBK, bhkv * D);
-          if (kVTerms == 2)
-            tma_load_2d(sv + s * L::kVStage + L::kVBytes + hh * L::kVTile, &tm_vlo, &full[s], kb * kBK, bhkv * D);
-        }
+        for (int hh = 0; hh < kHalves; ++hh) kbh[hh] = block_of(u, hh);
+        load_stage(s, kbh);
       }
+    } else if (threadIdx.x >= 32 && threadIdx.x < 64) {
+      // Second warp: the epilogue's V scales into shared memory.
+      float* vs = reinterpret_cast<float*>(smem + L::kVScale);
+      const float* vamax = p.v_amax + int64_t(bhkv) * D;
+      constexpr float kDequantPV = 1.f / kFp8Max;  // l carries the other 1/448
+      for (int i = threadIdx.x - 32; i < D; i += 32) vs[i] = vamax[i] * kDequantPV;
+      named_bar_arrive(kVScaleBar, 256 + 32);
     }
     return;
   }
@@ -465,8 +490,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) kb[hh] = block_of(u, hh);
   };
+  mbar_wait(qbar, 0);
   if (n_steps > 0) {
-    mbar_wait(qbar, 0);
     const int me = c.cw, other = c.cw ^ 1;
     // The first turn, common to both schedules: Q.K^T(0) alone, waited for.
     // `before_turn` runs between the stage wait and the turn (global loads).
@@ -609,7 +634,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  c.epilogue();
+  c.epilogue(reinterpret_cast<const float*>(smem + L::kVScale));
 #endif
 }
 
