@@ -109,7 +109,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   DeviceGuard guard;
   SPARGE_TRY(guard.enter(plan.prob.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false));
+  SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true));
   SPARGE_TRY(launch_select(plan, cfg, mask_out, kept, workspace, s));
   return SPARGE_OK;
 }
@@ -124,10 +124,13 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool int8 = p.quantized();
 
+  // The pooled means and self-similarities are needed only when the mask is
+  // predicted here.
+  const bool predict_here = (mask == nullptr);
   if (int8)
-    SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true));
-  else if (mask == nullptr)
-    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false));
+    SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true, /*pool=*/predict_here));
+  else if (predict_here)
+    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true));
 
   if (mask == nullptr) {
     const MaskView wm = workspace_mask(p, workspace, L.mask);

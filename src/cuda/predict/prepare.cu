@@ -288,6 +288,7 @@ struct QArgs {
   int64_t Hq, Hkv, group, Lq, nQB;
   float scale;
   bool smooth, quant;
+  bool pool;            // pooled mean and self-similarity (for the mask prediction)
   const float* k_mean;  // [B*Hkv, D]
   float* pooled_q;      // [B*Hq, nQB, D]
   float* sim_q;         // [B*Hq, nQB]
@@ -332,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
     const int64_t row = row0 + it * RPI + lr;
     float x[8];
     unpack8<T>(raw[it], x);  // rows past Lq are zeros
-    pool_row<TPR>(x, ps, us);
+    if (a.pool) pool_row<TPR>(x, ps, us);
     if (a.quant) {
       float am = 0.f;
       double dm = 0.0;  // q . mu in float64 (the LSE shift), as the CPU reference
@@ -351,6 +352,7 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
       }
     }
   }
+  if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
   const int64_t blk = bh * a.nQB + qb;
   block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
@@ -361,6 +363,7 @@ struct KArgs {
   Tensor4 k;
   int64_t Hkv, Lkv, nKB;
   bool smooth, quant;
+  bool pool;            // pooled mean and self-similarity (for the mask prediction)
   const float* k_mean;  // [B*Hkv, D]
   float* pooled_k;      // [B*Hkv, nKB, D]
   float* sim_k;         // [B*Hkv, nKB]
@@ -411,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
       x[it][c] = valid ? x[it][c] - mu[c] : 0.f;  // k' = k - mu (float32); pad rows stay zero
       am = fmaxf(am, fabsf(x[it][c]));
     }
-    pool_row<TPR>(x[it], ps, us);
+    if (a.pool) pool_row<TPR>(x[it], ps, us);
   }
   if (a.quant) {
     am = block_reduce(am, fred, OpMax{});
@@ -423,6 +426,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
     }
     if (tid == 0) a.k_scale[bhk * a.nKB + kb] = am / 127.f;
   }
+  if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockK), a.Lkv - row0));
   const int64_t blk = bhk * a.nKB + kb;
   block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
@@ -540,7 +544,7 @@ sparge_status_t predict_supported(const Problem& p) {
 }
 
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
-                             const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize) {
+                             const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
@@ -550,6 +554,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   const bool quant = quantize && L.q_i8 != 0 && L.k_i8 != 0;
   const bool do_v = quant && v != nullptr && L.v_f8 != 0;
   const bool do_k = cfg.smooth_k;
+  if (!pool && !quant) return SPARGE_OK;  // nothing asked for
   const int64_t bhq = p.B * p.Hq, bhk = p.B * p.Hkv;
   const int64_t nchunk = ceil_div(p.Lkv, kGpuColChunk);
   const int64_t lk_pad = p.nKB * kGpuBlockK;
@@ -602,7 +607,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.q = q;
     qa.Hq = p.Hq, qa.Hkv = p.Hkv, qa.group = p.group(), qa.Lq = p.Lq, qa.nQB = p.nQB;
     qa.scale = p.scale;
-    qa.smooth = do_k, qa.quant = quant;
+    qa.smooth = do_k, qa.quant = quant, qa.pool = pool;
     qa.k_mean = k_mean;
     qa.pooled_q = ws_ptr<float>(base, L.pooled_q);
     qa.sim_q = ws_ptr<float>(base, L.sim_q);
@@ -626,7 +631,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     KArgs ka;
     ka.k = k;
     ka.Hkv = p.Hkv, ka.Lkv = p.Lkv, ka.nKB = p.nKB;
-    ka.smooth = do_k, ka.quant = quant;
+    ka.smooth = do_k, ka.quant = quant, ka.pool = pool;
     ka.k_mean = k_mean;
     ka.pooled_k = ws_ptr<float>(base, L.pooled_k);
     ka.sim_k = ws_ptr<float>(base, L.sim_k);
@@ -669,7 +674,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
 
 sparge_status_t launch_prepare(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                                const PredictConfig& cfg, void* ws, cudaStream_t stream) {
-  return prepare_impl(plan, q, k, v, cfg, ws, stream, /*quantize=*/true);
+  return prepare_impl(plan, q, k, v, cfg, ws, stream, /*quantize=*/true, /*pool=*/true);
 }
 
 }  // namespace cuda
