@@ -14,7 +14,7 @@
 #   test      ctest (everything but gpu_tests), then the GPU test binary directly,
 #             with its measured-accuracy table; the host-pointer tests in a
 #             process of their own
-#   sanitize  compute-sanitizer memcheck, racecheck, synccheck on the [sanitize]
+#   sanitize  compute-sanitizer memcheck, racecheck, synccheck, initcheck on the [sanitize]
 #             subset of the GPU tests (small shapes)
 #   bench     sparge_bench (all workloads) and tools/bench/anchors.py (torch SDPA
 #             cuDNN / FLASH_ATTENTION, ceilings, accuracy vs float32 SDPA, side by side)
@@ -174,7 +174,7 @@ if want sanitize; then
     note sanitize skip 0 "compute-sanitizer not found"
   else
     res=()
-    for tool in memcheck racecheck synccheck; do
+    for tool in memcheck racecheck synccheck initcheck; do
       filter='[sanitize]'
       [ "$tool" != memcheck ] && filter='[sanitize]~[errors]'
       extra=()

@@ -5,7 +5,9 @@
 //   WG0  producer: one thread issues TMA loads of Q (once) and, per step, of
 //        the listed K tiles (64 x D int8) and V^T tiles (D x 64 fp8; split V:
 //        also the lo term's) into a ring of kStages shared-memory stages
-//        guarded by full/empty mbarriers;
+//        guarded by full/empty mbarriers (Q and stage 0 before the CTA-wide
+//        barrier); its second warp stages the V scales in shared memory for
+//        the epilogue;
 //   WG1, WG2  consumers, 64 query rows each, steps of two listed 64-key
 //        blocks (128 keys; the 64-key pingpong schedule is an A/B switch):
 //        S = Q K^T   int8 wgmma m64n128k32 (IGMMA), s32 accumulators
@@ -51,9 +53,10 @@ constexpr int kVScaleBar = 3;  // named barrier 3: the V scales in shared memory
 //   kWide       (default, the specified rounding) 128 keys per step: two
 //               listed 64-key blocks side by side, the warpgroups taking turns
 //               to issue Q.K^T(u) and P.V(u-1) back to back; the row max of
-//               step u runs while P.V(u-1) is in flight, the exponentials
-//               after it (one P buffer keeps the wider accumulators within
-//               the register budget);
+//               step u runs while P.V(u-1) is in flight (not for causal
+//               D = 128, see kMaxUnderPV), the exponentials after it (one P
+//               buffer keeps the wider accumulators within the register
+//               budget);
 //   kPingPong   64 keys per step, softmax of tile t while P.V of tile t-1 runs
 //               plus turn-taking between the warpgroups. Kept for A/B
 //               measurements only: its P rounding follows a 64-key running
