@@ -11,6 +11,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -543,6 +544,19 @@ sparge_status_t predict_supported(const Problem& p) {
   return SPARGE_OK;
 }
 
+// Calls f(IntC<D>, TypeTag<T>, integral_constant<bool, VEC>) for the problem's
+// head dimension and dtype and the load width `vec` (16-byte loads or scalar):
+// the one dispatch of every preparation pass kernel.
+template <class F>
+void dispatch_pass(const Problem& p, bool vec, F&& f) {
+  dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
+    if (vec)
+      f(dc, tt, std::true_type{});
+    else
+      f(dc, tt, std::false_type{});
+  });
+}
+
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool) {
   const Problem& p = plan.prob;
@@ -580,13 +594,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ca.kpool = fused_kpool ? ws_ptr<float>(base, L.pooled_k) : nullptr;
     ca.ksim = fused_kpool ? ws_ptr<float>(base, L.sim_k) : nullptr;
     const bool vec = vec_ok(k) && (!do_v || vec_ok(*v));
-    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
-      constexpr int D = decltype(dc)::value;
-      using T = typename decltype(tt)::type;
-      if (vec)
-        col_partial_kernel<D, T, true><<<unsigned(bhk * nchunk), kThreads, 0, stream>>>(ca);
-      else
-        col_partial_kernel<D, T, false><<<unsigned(bhk * nchunk), kThreads, 0, stream>>>(ca);
+    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
+      col_partial_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
+          <<<unsigned(bhk * nchunk), kThreads, 0, stream>>>(ca);
     });
     SPARGE_LAUNCH_CHECK("sparge column statistics kernel");
   }
@@ -615,13 +625,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.q_scale = quant ? ws_ptr<float>(base, L.q_scale) : nullptr;
     qa.q_mu = quant ? ws_ptr<float>(base, L.q_mu) : nullptr;
     const bool vec = vec_ok(q);
-    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
-      constexpr int D = decltype(dc)::value;
-      using T = typename decltype(tt)::type;
-      if (vec)
-        q_pass_kernel<D, T, true><<<unsigned(bhq * p.nQB), kThreads, 0, stream>>>(qa);
-      else
-        q_pass_kernel<D, T, false><<<unsigned(bhq * p.nQB), kThreads, 0, stream>>>(qa);
+    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
+      q_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
+          <<<unsigned(bhq * p.nQB), kThreads, 0, stream>>>(qa);
     });
     SPARGE_LAUNCH_CHECK("sparge Q pass kernel");
   }
@@ -638,13 +644,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ka.k_i8 = quant ? ws_ptr<int8_t>(base, L.k_i8) : nullptr;
     ka.k_scale = quant ? ws_ptr<float>(base, L.k_scale) : nullptr;
     const bool vec = vec_ok(k);
-    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
-      constexpr int D = decltype(dc)::value;
-      using T = typename decltype(tt)::type;
-      if (vec)
-        k_pass_kernel<D, T, true><<<unsigned(bhk * p.nKB), kThreads, 0, stream>>>(ka);
-      else
-        k_pass_kernel<D, T, false><<<unsigned(bhk * p.nKB), kThreads, 0, stream>>>(ka);
+    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
+      k_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
+          <<<unsigned(bhk * p.nKB), kThreads, 0, stream>>>(ka);
     });
     SPARGE_LAUNCH_CHECK("sparge K pass kernel");
   }
@@ -659,13 +661,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     va.v_f8_lo = p.split_v() ? ws_ptr<uint8_t>(base, L.v_f8_lo) : nullptr;
     const bool vec = vec_ok(*v);
     if (!grid_ok(bhk * va.ntile)) return fail(SPARGE_ERR_UNSUPPORTED, "V pass grid too large");
-    dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
-      constexpr int D = decltype(dc)::value;
-      using T = typename decltype(tt)::type;
-      if (vec)
-        v_pass_kernel<D, T, true><<<unsigned(bhk * va.ntile), D * 4, 0, stream>>>(va);
-      else
-        v_pass_kernel<D, T, false><<<unsigned(bhk * va.ntile), D * 4, 0, stream>>>(va);
+    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
+      v_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
+          <<<unsigned(bhk * va.ntile), decltype(dc)::value * 4, 0, stream>>>(va);
     });
     SPARGE_LAUNCH_CHECK("sparge V pass kernel");
   }
