@@ -612,6 +612,38 @@ AttnResult gpu_attention(const Inputs& in, const DeviceInputs& din, sparge_preci
   return R;
 }
 
+// Runs body(b, hk, plan, workspace, workspace_bytes, &what) for every (batch,
+// kv head) of `s` on all hardware threads, each on a CPU plan of that slice
+// alone (B = 1, Hq = group, Hkv = 1) with its own 256-byte aligned workspace.
+// body returns a status and names the failing call in `what`; the first
+// failure of any slice lands in status / error.
+template <class Body>
+void for_each_cpu_group(const Shape& s, sparge_dtype_t dtype, sparge_precision_t prec, sparge_status_t& status,
+                        std::string& error, Body&& body) {
+  std::mutex mu;
+  parallel_for(s.B * s.Hkv, [&](int64_t bk) {
+    const int64_t b = bk / s.Hkv, hk = bk % s.Hkv;
+    Shape sub = s;
+    sub.B = 1, sub.Hq = s.group(), sub.Hkv = 1;
+    sparge_problem_t pr = problem_of(sub, dtype, SPARGE_DEVICE_CPU, prec);
+    PlanHolder plan;
+    auto failed = [&](const char* what, sparge_status_t st) {
+      std::lock_guard<std::mutex> lk(mu);
+      if (status == SPARGE_OK) status = st, error = api_error(what, st);
+    };
+    sparge_status_t st = sparge_create_plan(&pr, &plan.p);
+    if (st != SPARGE_OK) return failed("sparge_create_plan(cpu)", st);
+    size_t wsb = 0;
+    st = sparge_plan_workspace_size(plan.p, &wsb);
+    if (st != SPARGE_OK) return failed("sparge_plan_workspace_size(cpu)", st);
+    std::vector<unsigned char> wsv(wsb + 256);
+    void* wsp = wsv.data() + (256 - reinterpret_cast<uintptr_t>(wsv.data()) % 256) % 256;
+    const char* what = "";
+    st = body(b, hk, plan.p, wsp, wsb, &what);
+    if (st != SPARGE_OK) failed(what, st);
+  });
+}
+
 AttnResult cpu_attention(const Inputs& in, sparge_precision_t prec, const std::vector<uint8_t>* mask,
                          const sparge_predict_params_t* params, bool want_lse) {
   const Shape& s = in.s;
@@ -638,24 +670,8 @@ AttnResult cpu_attention(const Inputs& in, sparge_precision_t prec, const std::v
   std::vector<unsigned char> out(static_cast<size_t>(s.B * s.Hq * s.Lq * D) * es, 0xFF);
   std::vector<float> lse(static_cast<size_t>(s.B * s.Hq * s.Lq), std::numeric_limits<float>::quiet_NaN());
   AttnResult R;
-  std::mutex mu;
-  parallel_for(s.B * s.Hkv, [&](int64_t bk) {
-    const int64_t b = bk / s.Hkv, hk = bk % s.Hkv;
-    Shape sub = s;
-    sub.B = 1, sub.Hq = g, sub.Hkv = 1;
-    sparge_problem_t pr = problem_of(sub, dt, SPARGE_DEVICE_CPU, prec);
-    PlanHolder plan;
-    auto failed = [&](const char* what, sparge_status_t st) {
-      std::lock_guard<std::mutex> lk(mu);
-      if (R.status == SPARGE_OK) R.status = st, R.error = api_error(what, st);
-    };
-    sparge_status_t st = sparge_create_plan(&pr, &plan.p);
-    if (st != SPARGE_OK) return failed("sparge_create_plan(cpu)", st);
-    size_t wsb = 0;
-    st = sparge_plan_workspace_size(plan.p, &wsb);
-    if (st != SPARGE_OK) return failed("sparge_plan_workspace_size(cpu)", st);
-    std::vector<unsigned char> wsv(wsb + 256);
-    void* wsp = wsv.data() + (256 - reinterpret_cast<uintptr_t>(wsv.data()) % 256) % 256;
+  for_each_cpu_group(s, dt, prec, R.status, R.error, [&](int64_t b, int64_t hk, sparge_plan_t plan, void* wsp,
+                                                           size_t wsb, const char** what) {
     auto at = [&](const void* base, const int64_t* str, int64_t h) {
       return const_cast<unsigned char*>(static_cast<const unsigned char*>(base)) +
              static_cast<size_t>(b * str[0] + h * str[1]) * es;
@@ -673,9 +689,9 @@ AttnResult cpu_attention(const Inputs& in, sparge_precision_t prec, const std::v
     const int64_t lsh[3] = {1, g, s.Lq}, lst[3] = {s.Hq * s.Lq, s.Lq, 1};
     const sparge_tensor_t ld =
         make_desc(lse.data() + (b * s.Hq + hk * g) * s.Lq, SPARGE_DEVICE_CPU, SPARGE_DTYPE_FLOAT32, 3, lsh, lst);
-    st = sparge_attention_run(plan.p, &qd, &kd, &vd, mask ? &md : nullptr, params, &od, want_lse ? &ld : nullptr, wsp,
-                              wsb, nullptr);
-    if (st != SPARGE_OK) return failed("sparge_attention_run(cpu)", st);
+    *what = "sparge_attention_run(cpu)";
+    return sparge_attention_run(plan, &qd, &kd, &vd, mask ? &md : nullptr, params, &od, want_lse ? &ld : nullptr, wsp,
+                                wsb, nullptr);
   });
   if (R.status != SPARGE_OK) return R;
   const size_t n = out.size() / es;
@@ -770,24 +786,8 @@ PredictResult cpu_predict(const Inputs& in, sparge_precision_t prec, const sparg
   PredictResult R;
   R.mask.assign(static_cast<size_t>(s.B * s.Hq * nQB * nKB), 0xCD);
   R.kept.assign(static_cast<size_t>(s.B * s.Hq), -1);
-  std::mutex mu;
-  parallel_for(s.B * s.Hkv, [&](int64_t bk) {
-    const int64_t b = bk / s.Hkv, hk = bk % s.Hkv;
-    Shape sub = s;
-    sub.B = 1, sub.Hq = g, sub.Hkv = 1;
-    sparge_problem_t pr = problem_of(sub, in.q.dtype, SPARGE_DEVICE_CPU, prec);
-    PlanHolder plan;
-    auto failed = [&](const char* what, sparge_status_t st) {
-      std::lock_guard<std::mutex> lk(mu);
-      if (R.status == SPARGE_OK) R.status = st, R.error = api_error(what, st);
-    };
-    sparge_status_t st = sparge_create_plan(&pr, &plan.p);
-    if (st != SPARGE_OK) return failed("sparge_create_plan(cpu)", st);
-    size_t wsb = 0;
-    st = sparge_plan_workspace_size(plan.p, &wsb);
-    if (st != SPARGE_OK) return failed("sparge_plan_workspace_size(cpu)", st);
-    std::vector<unsigned char> wsv(wsb + 256);
-    void* wsp = wsv.data() + (256 - reinterpret_cast<uintptr_t>(wsv.data()) % 256) % 256;
+  for_each_cpu_group(s, in.q.dtype, prec, R.status, R.error, [&](int64_t b, int64_t hk, sparge_plan_t plan,
+                                                                  void* wsp, size_t wsb, const char** what) {
     const int64_t qsh[4] = {1, g, s.Lq, D}, ksh[4] = {1, 1, s.Lkv, D};
     const sparge_tensor_t qd = make_desc(const_cast<uint16_t*>(in.q.bits.data()) + b * in.q.strides[0] +
                                              hk * g * in.q.strides[1],
@@ -803,8 +803,8 @@ PredictResult cpu_predict(const Inputs& in, sparge_precision_t prec, const sparg
         make_desc(R.kept.data() + b * s.Hq + hk * g, SPARGE_DEVICE_CPU, SPARGE_DTYPE_INT32, 2, kpsh, kpst);
     sparge_predict_params_t prm = params;
     if (per_head_topk) prm.topk_per_head = per_head_topk->data() + hk * g;
-    st = sparge_predict_mask(plan.p, &qd, &kd, &prm, &md, &kpd, wsp, wsb, nullptr);
-    if (st != SPARGE_OK) return failed("sparge_predict_mask(cpu)", st);
+    *what = "sparge_predict_mask(cpu)";
+    return sparge_predict_mask(plan, &qd, &kd, &prm, &md, &kpd, wsp, wsb, nullptr);
   });
   return R;
 }
