@@ -415,12 +415,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
   }
 }
 
-// Host side: launches the <T, D, causal> kernel (defined in the per-dtype .cu files).
+// Host side: launches the <T, D, causal> kernel.
 template <class T, int D, bool kCausal>
-sparge_status_t launch(const Params& p, int64_t grid, cudaStream_t stream);
-
-template <class T, int D, bool kCausal>
-sparge_status_t launch_impl(const Params& p, int64_t grid, cudaStream_t stream) {
+sparge_status_t launch(const Params& p, int64_t grid, cudaStream_t stream) {
   auto* kern = attn_fp16_kernel<T, D, kCausal>;
   constexpr int smem = smem_bytes<D>();
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -428,6 +425,17 @@ sparge_status_t launch_impl(const Params& p, int64_t grid, cudaStream_t stream) 
   SPARGE_LAUNCH_CHECK("attn_fp16_kernel");
   return SPARGE_OK;
 }
+
+// The instances for one dtype (head dims 64 and 128, causal and not). They are
+// declared extern here and defined in attn_fp16_<dtype>.cu, one file per dtype,
+// so the kernels compile in parallel and only once.
+#define SPARGE_FP16_ATTN_INSTANCES(EXTERN, T)                                                \
+  EXTERN template sparge_status_t launch<T, 64, false>(const Params&, int64_t, cudaStream_t);  \
+  EXTERN template sparge_status_t launch<T, 64, true>(const Params&, int64_t, cudaStream_t);   \
+  EXTERN template sparge_status_t launch<T, 128, false>(const Params&, int64_t, cudaStream_t); \
+  EXTERN template sparge_status_t launch<T, 128, true>(const Params&, int64_t, cudaStream_t);
+SPARGE_FP16_ATTN_INSTANCES(extern, __half)
+SPARGE_FP16_ATTN_INSTANCES(extern, __nv_bfloat16)
 
 }  // namespace fp16attn
 }  // namespace cuda
