@@ -855,25 +855,32 @@ ErrStats compare_full(const std::vector<float>& a, const std::vector<float>& b) 
   return acc.stats();
 }
 
+namespace {
+// One LSE comparison: x (tested) against y (reference) with tolerance tol.
+// A NaN or +inf x is non-finite; an infinite value on either side must match
+// exactly; otherwise |x - y| - tol is the excess over the bar.
+void add_lse(LseStats& L, double x, double y, double tol) {
+  if (std::isnan(x) || x == std::numeric_limits<double>::infinity()) {
+    ++L.nonfinite;
+    return;
+  }
+  if (std::isinf(y) || std::isinf(x)) {
+    L.inf_mismatch += (x != y);
+    return;
+  }
+  const double d = std::fabs(x - y);
+  L.max_abs = std::max(L.max_abs, d);
+  L.max_excess = std::max(L.max_excess, d - tol);
+}
+}  // namespace
+
 LseStats compare_lse_rows(const std::vector<float>& lse, const Shape& s, const RefRows& ref, double atol,
                           double mag_coef) {
   LseStats L;
   L.max_excess = -std::numeric_limits<double>::infinity();
   for (size_t r = 0; r < ref.rows.size(); ++r) {
     const RowId id = ref.rows[r];
-    const double x = lse[static_cast<size_t>((id.b * s.Hq + id.h) * s.Lq + id.i)];
-    const double y = ref.lse[r];
-    if (std::isnan(x) || x == std::numeric_limits<double>::infinity()) {
-      ++L.nonfinite;
-      continue;
-    }
-    if (std::isinf(y) || std::isinf(x)) {
-      L.inf_mismatch += (x != y);
-      continue;
-    }
-    const double d = std::fabs(x - y);
-    L.max_abs = std::max(L.max_abs, d);
-    L.max_excess = std::max(L.max_excess, d - (atol + mag_coef * ref.mag[r]));
+    add_lse(L, lse[static_cast<size_t>((id.b * s.Hq + id.h) * s.Lq + id.i)], ref.lse[r], atol + mag_coef * ref.mag[r]);
   }
   return L;
 }
@@ -881,20 +888,7 @@ LseStats compare_lse_rows(const std::vector<float>& lse, const Shape& s, const R
 LseStats compare_lse_full(const std::vector<float>& a, const std::vector<float>& b, double atol, double rtol) {
   LseStats L;
   L.max_excess = -std::numeric_limits<double>::infinity();
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    const double x = a[i], y = b[i];
-    if (std::isnan(x) || x == std::numeric_limits<double>::infinity()) {
-      ++L.nonfinite;
-      continue;
-    }
-    if (std::isinf(y) || std::isinf(x)) {
-      L.inf_mismatch += (x != y);
-      continue;
-    }
-    const double d = std::fabs(x - y);
-    L.max_abs = std::max(L.max_abs, d);
-    L.max_excess = std::max(L.max_excess, d - (atol + rtol * std::fabs(y)));
-  }
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) add_lse(L, a[i], b[i], atol + rtol * std::fabs(double(b[i])));
   return L;
 }
 
