@@ -30,6 +30,8 @@
 #   BENCH_ARGS (extra sparge_bench arguments, e.g. --n64k)
 #   NCU_KERNEL_REGEX (regex:attn_int8fp8)  SPARGE_TEST_SEED (reproduce a test run)
 #   GPU_CHECK_PINGPONG (1; 0 skips the pingpong A/B in bench)
+#   GPU_CHECK_FP16AB (1; 0 skips the portable FP16-mode kernel A/B in bench)
+#   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
 #
 # Files written to $OUT (10 at most): build.log test.log sanitize.log bench.log
@@ -153,6 +155,14 @@ if want test; then
     run_to "$LOG/test.log" "$(allow 60)" "$GPU_TESTS" '[hostptr]' -r compact -d yes
     rc=$?
     ((rc != 0 && rc != 77)) && fails+=("hostptr rc=$rc")
+    # The portable FP16-mode kernel (the fallback where TMA cannot express the
+    # strides) on the attention cases too.
+    if [ "${GPU_CHECK_PORTABLE_FP16:-1}" != 0 ]; then
+      run_to "$LOG/test.log" "$(allow 120)" env SPARGE_FP16_KERNEL=portable "$GPU_TESTS" '[attention]~[large]' \
+        -r compact
+      rc=$?
+      ((rc != 0 && rc != 77)) && fails+=("portable fp16 rc=$rc")
+    fi
     acc=$(grep -c '^ACC .* FAIL$' "$LOG/test.log")
     tot=$(grep -c '^ACC ' "$LOG/test.log")
     summary_line=$(grep -E '^(test cases|All tests passed|Failed)' "$LOG/test.log" | tail -n 2 | tr '\n' ' ')
@@ -212,6 +222,13 @@ if want bench; then
       run_to "$LOG/bench.log" "$(allow 90)" env SPARGE_SM90_SCHEDULE=pingpong "$BENCH" --modes dense --tag pingpong
       rc=$?
       ((rc == 0)) && res+=("pingpong A/B ok") || res+=("pingpong A/B rc=$rc")
+    fi
+    # A/B: the portable (mma.sync) FP16-mode kernel against the sm_90a one.
+    if [ "${GPU_CHECK_FP16AB:-1}" != 0 ]; then
+      run_to "$LOG/bench.log" "$(allow 120)" env SPARGE_FP16_KERNEL=portable "$BENCH" --modes fp16 \
+        --tag portable-fp16
+      rc=$?
+      ((rc == 0)) && res+=("portable fp16 A/B ok") || res+=("portable fp16 A/B rc=$rc")
     fi
     run_to "$LOG/bench.log" "$(allow 150)" env PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench/anchors.py" \
       --lib "$BUILD/libsparge.so" --ours "$LOG/bench.csv" --csv "$LOG/anchors.csv"

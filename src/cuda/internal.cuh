@@ -64,7 +64,13 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
 
 // --- attention kernel families (src/cuda/attention/) ------------------------
 sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream);
+// FP16 mode: the sm_90a wgmma kernel when it applies (TMA can express the
+// tensors' strides; SPARGE_FP16_KERNEL=portable turns it off), else the
+// portable mma.sync kernel.
 sparge_status_t launch_attention_fp16(const AttnArgs& a, cudaStream_t stream);
+// Launches the sm_90a FP16-mode kernel and sets *launched, or leaves
+// *launched false (and returns SPARGE_OK) when it does not apply.
+sparge_status_t launch_attention_sm90_fp16(const AttnArgs& a, cudaStream_t stream, bool* launched);
 
 }  // namespace cuda
 }  // namespace sparge

@@ -1,5 +1,6 @@
-// Dispatch for the FP16-mode attention kernel: checks what the kernel needs
-// (head dim, 16-byte aligned rows), fills its parameters, picks the instance.
+// Dispatch for the FP16-mode attention kernels: checks what they need (head
+// dim, 16-byte aligned rows), then runs the sm_90a wgmma kernel where it
+// applies, else fills the portable kernel's parameters and picks its instance.
 #include "cuda/attention/fp16/attn_fp16.cuh"
 
 namespace sparge {
@@ -48,6 +49,9 @@ sparge_status_t launch_attention_fp16(const AttnArgs& a, cudaStream_t stream) {
   SPARGE_TRY(check_rows16(a.out, "out"));
   const int64_t grid = pr.B * pr.Hq * pr.nQB;
   if (grid == 0) return SPARGE_OK;
+  bool launched = false;
+  SPARGE_TRY(launch_attention_sm90_fp16(a, stream, &launched));
+  if (launched) return SPARGE_OK;
   if (grid > 0x7fffffffLL || pr.Lq > 0x3fffffffLL || pr.Lkv > 0x3fffffffLL)
     return fail(SPARGE_ERR_UNSUPPORTED, "fp16 attention: problem too large for one launch");
 

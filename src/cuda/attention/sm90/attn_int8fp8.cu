@@ -27,10 +27,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <type_traits>
 
 #include "cuda/attention/sm90/sm90_primitives.cuh"
+#include "cuda/attention/sm90/tensor_map.hpp"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
 #include "cuda/internal.cuh"
 
@@ -642,42 +642,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ------------------------------------------------------------------ host side
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-sparge_status_t get_encode_fn(EncodeTiledFn* fn) {
-  static EncodeTiledFn cached = nullptr;
-  static cudaError_t err = cudaSuccess;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
-    if (err == cudaSuccess && q == cudaDriverEntryPointSuccess) cached = reinterpret_cast<EncodeTiledFn>(ptr);
-  });
-  if (cached == nullptr) {
-    return fail(SPARGE_ERR_CUDA, "cuTensorMapEncodeTiled is not available from the CUDA driver (%s)",
-                cudaGetErrorString(err));
-  }
-  *fn = cached;
-  return SPARGE_OK;
-}
-
-// A 2-D uint8 tensor map: `rows` rows of `row_bytes` bytes, box = box_cols x box_rows.
-sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, uint64_t row_bytes, uint64_t rows,
-                         uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swz, const char* what) {
-  const cuuint64_t dims[2] = {row_bytes, rows};
-  const cuuint64_t strides[1] = {row_bytes};
-  const cuuint32_t box[2] = {box_cols, box_rows};
-  const cuuint32_t estr[2] = {1, 1};
-  CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, estr,
-                   CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return fail(SPARGE_ERR_CUDA, "cuTensorMapEncodeTiled(%s) failed with CUresult %d", what, int(r));
-  return SPARGE_OK;
-}
-
 template <int D, bool kCausal, int kSchedule, int kVTerms>
 sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream) {
   using L = SmemLayout<D, KeysPerStep<kSchedule>::value, kVTerms>;

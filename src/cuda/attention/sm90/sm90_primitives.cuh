@@ -66,6 +66,17 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// 4-D tile load (coordinates innermost first), completing `bar`'s transaction
+// count. Elements outside the tensor are written as zeros and still counted.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0, int32_t c1,
+                                            int32_t c2, int32_t c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 // ---------------------------------------------------------------- wgmma
 // Shared-memory matrix descriptor for a K-major tile stored with a 128B or
 // 64B swizzle (as written by TMA with the same swizzle). `sbo` is the byte
@@ -80,6 +91,19 @@ __device__ __forceinline__ uint64_t make_smem_desc(const void* tile, uint32_t sw
   d |= uint64_t(1) << 16;
   d |= uint64_t((sbo >> 4) & 0x3FFF) << 32;
   d |= uint64_t(swizzle) << 62;
+  return d;
+}
+// The same for an MN-major tile with 128B swizzle (the K x N operand stored
+// with N contiguous, 64 16-bit elements per 128-byte row): `lbo` is the byte
+// stride between consecutive 64-element column blocks along N, `sbo` the byte
+// stride between groups of 8 rows along K.
+__device__ __forceinline__ uint64_t make_smem_desc_mn(const void* tile, uint32_t lbo, uint32_t sbo) {
+  const uint64_t addr = smem_u32(tile);
+  uint64_t d = 0;
+  d |= (addr & 0x3FFFFull) >> 4;
+  d |= uint64_t((lbo >> 4) & 0x3FFF) << 16;
+  d |= uint64_t((sbo >> 4) & 0x3FFF) << 32;
+  d |= uint64_t(kSwizzle128B) << 62;
   return d;
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

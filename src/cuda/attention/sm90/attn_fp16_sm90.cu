@@ -1,0 +1,536 @@
+// Hopper (sm_90a) block-sparse attention, FP16 precision mode (fp16 or bf16
+// q, k, v used as given; fp32 scores and accumulation).
+//
+// One CTA computes one 128-row query block of one (batch, head) over the key
+// blocks listed for it (idx/cnt). Three warpgroups:
+//   WG0  producer: one thread issues TMA loads straight from the caller's
+//        tensors (4-D maps over [B, H, L, D] with their strides; rows past the
+//        end arrive as zeros): Q once, and per step the two listed 64-key
+//        blocks of K and of V into a ring of shared-memory stages guarded by
+//        full/empty mbarriers (Q and stage 0 before the CTA-wide barrier);
+//   WG1, WG2  consumers, 64 query rows each, steps of two listed blocks
+//        (128 keys), taking turns to issue their matrix products:
+//        S = Q K^T     wgmma m64n128k16 (HGMMA), both operands in shared
+//                      memory, K-major;
+//        online softmax in base 2 on the fp32 scores (row max while the
+//             previous step's P.V runs, then the exponentials);
+//        P -> fp16/bf16 in registers: the accumulator layout of two adjacent
+//             8-column groups is the A-operand layout of one 16-key k-step;
+//        O += P V      wgmma m64nDk16 with A from registers and V as the
+//                      transposed (MN-major) B operand, straight from the
+//                      tile TMA wrote; O is rescaled by alpha before the next
+//                      P.V is issued (fp32 accumulation needs no second
+//                      level, unlike the fp8 products).
+// Numerics: docs/SEMANTICS.md (FP16), with steps of two listed tiles as in
+// INT8_FP8 (the portable kernel steps one tile at a time; both are checked
+// against float64 in the GPU tests).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda/attention/sm90/sm90_primitives.cuh"
+#include "cuda/attention/sm90/tensor_map.hpp"
+#include "cuda/attention/sm90/wgmma_ops.cuh"
+#include "cuda/internal.cuh"
+
+namespace sparge {
+namespace cuda {
+namespace sm90 {
+namespace {
+
+constexpr int kThreads = 384;
+constexpr int kBQ = 128;    // query rows per CTA (= mask block rows)
+constexpr int kBK = 64;     // keys per listed block (= mask block cols)
+constexpr int kKeys = 128;  // keys per step: two listed blocks
+constexpr uint32_t kProducerRegs = 24;
+constexpr uint32_t kConsumerRegs = 240;
+constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking
+
+// Shared memory. Every operand tile is stored as column blocks of 64
+// elements (128 bytes per row, 128B swizzle, as TMA writes it):
+//   Q      [D/64][128 rows][64]         K-major A operand
+//   K (s)  [D/64][128 keys][64]         K-major B operand of Q K^T; block hh of
+//                                       the step fills keys 64hh..64hh+63
+//   V (s)  [D/64][128 keys][64]         MN-major B operand of P V (N = D)
+template <int D>
+struct Layout16 {
+  static constexpr int kStages = (D == 128) ? 3 : 4;
+  static constexpr int kCols = D / 64;             // 64-element column blocks
+  static constexpr int kQCol = kBQ * 128;          // bytes of one Q column block
+  static constexpr int kKVCol = kKeys * 128;       // bytes of one K or V column block (a step)
+  static constexpr int kBlockRows = kBK * 128;     // bytes of one listed block inside a column block
+  static constexpr int kQBytes = kCols * kQCol;
+  static constexpr int kKVBytes = kCols * kKVCol;  // K or V of one stage
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kQBytes;
+  static constexpr int kV = kK + kStages * kKVBytes;
+  static constexpr int kBar = kV + kStages * kKVBytes;
+  static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
+  static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
+};
+
+struct Params16 {
+  const int32_t* idx;
+  const int32_t* cnt;
+  const int32_t* order;
+  void* out;
+  int64_t out_stride[4];
+  float* lse;
+  int64_t lse_stride[3];
+  int Hq, group, Lq, Lkv, nQB, nKB;
+  float scale_log2;  // scale * log2(e)
+};
+
+// The 16-bit type's wgmma instructions and pair packing.
+template <class T>
+struct Ops16;
+template <>
+struct Ops16<__nv_bfloat16> {
+  static __device__ __forceinline__ void qk(float (&d)[64], uint64_t a, uint64_t b, int acc) {
+    wgmma_m64n128k16_bf16_ss(d, a, b, acc);
+  }
+  template <int N>
+  static __device__ __forceinline__ void pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+    if constexpr (N == 128) wgmma_m64n128k16_bf16_rs_tb(d, a, b, 1);
+    else wgmma_m64n64k16_bf16_rs_tb(d, a, b, 1);
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+template <>
+struct Ops16<__half> {
+  static __device__ __forceinline__ void qk(float (&d)[64], uint64_t a, uint64_t b, int acc) {
+    wgmma_m64n128k16_f16_ss(d, a, b, acc);
+  }
+  template <int N>
+  static __device__ __forceinline__ void pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+    if constexpr (N == 128) wgmma_m64n128k16_f16_rs_tb(d, a, b, 1);
+    else wgmma_m64n64k16_f16_rs_tb(d, a, b, 1);
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+
+// Per-thread state of one consumer warpgroup (64 query rows). Register j of
+// an m64nN accumulator holds row (j & 2 ? row1 : row0) and column
+// 8*(j/4) + 2*quad + (j & 1), where row0 = 16*warp + lane/4 and row1 = row0 + 8.
+template <class T, int D, bool kCausal>
+struct Consumer16 {
+  using L = Layout16<D>;
+  using Op = Ops16<T>;
+  static constexpr int NS = kKeys / 2;  // S accumulator registers per thread
+  static constexpr int KS = kKeys / 16;  // k-steps of P.V
+  static constexpr int NO = D / 2;       // O accumulator registers per thread
+
+  const Params16& p;
+  const int cw, quad, bh, b, h, row0, row1, wg_row_min, diag;
+  const uint8_t* sk;
+  const uint8_t* sv;
+  uint64_t desc_q;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float s[NS];
+  float o[NO];
+
+  __device__ Consumer16(const Params16& p_, int cw_, int tid, int bh_, int qb, const uint8_t* sq, const uint8_t* sk_,
+                        const uint8_t* sv_)
+      : p(p_),
+        cw(cw_),
+        quad(tid & 3),
+        bh(bh_),
+        b(bh_ / p_.Hq),
+        h(bh_ - (bh_ / p_.Hq) * p_.Hq),
+        row0(qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
+        row1(qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
+        wg_row_min(qb * kBQ + cw_ * 64),
+        diag(p_.Lkv - p_.Lq),
+        sk(sk_),
+        sv(sv_) {
+    desc_q = make_smem_desc(sq + cw * 64 * 128, kSwizzle128B, 1024);
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j] = 0.f;
+  }
+
+  __device__ __forceinline__ uint64_t desc_k(int st) const {
+    return make_smem_desc(sk + st * L::kKVBytes, kSwizzle128B, 1024);
+  }
+  __device__ __forceinline__ uint64_t desc_v(int st) const {
+    return make_smem_desc_mn(sv + st * L::kKVBytes, L::kKVCol, 1024);
+  }
+
+  // S = Q K^T over D in k-steps of 16 (32 bytes inside a 128-byte column
+  // block). Caller fences before and commits after.
+  __device__ __forceinline__ void issue_qk(uint64_t dk) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t qoff = (kk / 4) * L::kQCol + (kk % 4) * 32;
+      const uint32_t koff = (kk / 4) * L::kKVCol + (kk % 4) * 32;
+      Op::qk(s, desc_q + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
+    }
+  }
+
+  // O += P V: k-step ks reads keys 16ks..16ks+15, i.e. two 8-row groups of
+  // every column block (2048 bytes further per k-step).
+  __device__ __forceinline__ void issue_pv(uint64_t dv, const uint32_t (&pa)[KS][4]) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) Op::template pv<D>(o, pa[ks], dv + uint64_t((ks * 2048) >> 4));
+  }
+
+  // Phase 1 (reads S only, so it can run while the previous P.V is in
+  // flight): masks (-inf), takes the row max, updates m and returns the
+  // shift (-new max, 0 for a row that has seen no key) and the rescale
+  // factors of the previous state.
+  // Returns whether any score of the step is masked (uniform over the
+  // warpgroup: it depends on the key blocks and the first row only).
+  __device__ __forceinline__ bool row_max(const int (&kb)[2], float& c0, float& c1, float& alpha0, float& alpha1) {
+    bool masked_any = false;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int key0 = kb[hh] * kBK;
+      const bool need_mask =
+          (kb[hh] < 0) || (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
+      masked_any |= need_mask;
+      if (need_mask) {
+#pragma unroll
+        for (int jj = 0; jj < 32; ++jj) {
+          const int j = hh * 32 + jj;
+          const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
+          const int row = (jj & 2) ? row1 : row0;
+          bool ok = (kb[hh] >= 0) && key < p.Lkv;
+          if (kCausal) ok = ok && (key <= row + diag);
+          if (!ok) s[j] = -INFINITY;
+        }
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      if (j & 2) mx1 = fmaxf(mx1, s[j]);
+      else mx0 = fmaxf(mx0, s[j]);
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * p.scale_log2), mn1 = fmaxf(m1, mx1 * p.scale_log2);
+    const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
+    const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
+    alpha0 = fast_exp2(m0 - mu0);
+    alpha1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    c0 = -mu0;
+    c1 = -mu1;
+    return masked_any;
+  }
+
+  // Phase 2: p = 2^(s c - m') (masked scores are -inf: p = 0), packed to the
+  // 16-bit type as A fragments; row sums of the unrounded p into l.
+  // `alongside()` runs first (the previous P.V's wait and the rescale of O).
+  //
+  // Two copies, chosen by the warpgroup-uniform `masked`: ptxas schedules
+  // within a basic block, and with the wait in the same block as the row max
+  // it places the wait first, so the max would no longer run under the
+  // previous P.V. The masked copy also zeroes p where s = -inf explicitly
+  // (2^-inf is already 0), which keeps the two copies distinct.
+  template <typename Alongside>
+  __device__ __forceinline__ void exponentiate(bool masked, float c0, float c1, float alpha0, float alpha1,
+                                               uint32_t (&pa)[KS][4], Alongside alongside) {
+    const float sc = p.scale_log2;
+    float rs0 = 0.f, rs1 = 0.f;
+    auto exps = [&](auto masked_c) {
+      alongside();
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        float x[8];
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 8 * ks + jj;
+          x[jj] = fast_exp2(fmaf(s[j], sc, (j & 2) ? c1 : c0));
+          if constexpr (decltype(masked_c)::value) {
+            if (s[j] == -INFINITY) x[jj] = 0.f;
+          }
+          if (j & 2) rs1 += x[jj];
+          else rs0 += x[jj];
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[ks][r] = Op::pack(x[2 * r], x[2 * r + 1]);
+      }
+    };
+    if (masked) {
+      exps(std::true_type{});
+    } else {
+      exps(std::false_type{});
+    }
+    l0 = l0 * alpha0 + rs0;
+    l1 = l1 * alpha1 + rs1;
+  }
+
+  __device__ __forceinline__ void rescale(float alpha0, float alpha1) {
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j] *= (j & 2) ? alpha1 : alpha0;
+  }
+
+  __device__ __forceinline__ void epilogue() {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
+    const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = half ? row1 : row0;
+      if (row >= p.Lq) continue;
+      const float inv = half ? inv1 : inv0;
+      T* orow = static_cast<T*>(p.out) + int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] +
+                int64_t(row) * p.out_stride[2];
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        const int col = 8 * c + 2 * quad;
+        *reinterpret_cast<uint32_t*>(orow + col) = Op::pack(o[c * 4 + 2 * half] * inv, o[c * 4 + 2 * half + 1] * inv);
+      }
+      if (p.lse != nullptr && quad == 0) {
+        const float l = half ? l1 : l0;
+        const float m = half ? m1 : m0;
+        const float v = (l > 0.f) ? (m * 0.69314718055994531f + logf(l)) : -INFINITY;
+        p.lse[int64_t(b) * p.lse_stride[0] + int64_t(h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] = v;
+      }
+    }
+  }
+};
+
+template <class T, int D, bool kCausal>
+__global__ void __launch_bounds__(kThreads, 1)
+    attn_fp16_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const Params16 p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = Layout16<D>;
+  using C = Consumer16<T, D, kCausal>;
+  constexpr int kStages = L::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sq = smem + L::kQ;
+  uint8_t* sk = smem + L::kK;
+  uint8_t* sv = smem + L::kV;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  uint64_t* empty = full + kStages;
+  uint64_t* qbar = empty + kStages;
+
+  const int row_id = p.order[blockIdx.x];
+  const int bh = row_id / p.nQB;
+  const int qb = row_id - bh * p.nQB;
+  const int b = bh / p.Hq;
+  const int h = bh - b * p.Hq;
+  const int hkv = h / p.group;
+  const int n_tiles = p.cnt[row_id];
+  const int n_steps = (n_tiles + 1) / 2;
+  const int32_t* tiles = p.idx + int64_t(row_id) * p.nKB;
+  auto block_of = [&](int u, int hh) { return (2 * u + hh < n_tiles) ? tiles[2 * u + hh] : -1; };
+  // Stage st <- the K and V rows of the step's two blocks (a missing second
+  // block loads the first again: finite data, masked scores, same byte count).
+  auto load_stage = [&](int st, const int (&kbh)[2]) {
+    mbar_arrive_expect_tx(&full[st], 2 * L::kKVBytes);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int kb = kbh[hh] >= 0 ? kbh[hh] : kbh[0];
+#pragma unroll
+      for (int cb = 0; cb < L::kCols; ++cb) {
+        const int off = st * L::kKVBytes + cb * L::kKVCol + hh * L::kBlockRows;
+        tma_load_4d(sk + off, &tm_k, &full[st], cb * 64, kb * kBK, hkv, b);
+        tma_load_4d(sv + off, &tm_v, &full[st], cb * 64, kb * kBK, hkv, b);
+      }
+    }
+  };
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    int first[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) first[hh] = (hh < p.nKB) ? tiles[hh] : -1;
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], 256);
+    }
+    mbar_init(qbar, 1);
+    mbar_fence_init();
+    mbar_arrive_expect_tx(qbar, L::kQBytes);
+#pragma unroll
+    for (int cb = 0; cb < L::kCols; ++cb) tma_load_4d(sq + cb * L::kQCol, &tm_q, qbar, cb * 64, qb * kBQ, h, b);
+    if (n_steps > 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) first[hh] = (hh < n_tiles) ? first[hh] : -1;
+      load_stage(0, first);
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ producer
+    regs_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      for (int u = 1; u < n_steps; ++u) {
+        const int st = u % kStages;
+        if (u >= kStages) mbar_wait(&empty[st], ((u / kStages) - 1) & 1);
+        const int kbh[2] = {block_of(u, 0), block_of(u, 1)};
+        load_stage(st, kbh);
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------- consumers
+  regs_alloc<kConsumerRegs>();
+  C c(p, wg - 1, threadIdx.x - 128 * wg, bh, qb, sq, sk, sv);
+  mbar_wait(qbar, 0);
+  if (n_steps > 0) {
+    const int me = c.cw, other = c.cw ^ 1;
+    // Turn-taking as in the INT8_FP8 kernel: in its turn a warpgroup issues
+    // Q.K^T(u) then P.V(u-1); it takes the row max of step u while P.V(u-1)
+    // runs, then waits for it, rescales O for step u and exponentiates step u
+    // (overwriting the P registers P.V(u-1) read) during the other's turn.
+    if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+    uint32_t pa[C::KS][4];
+    float c0, c1, al0, al1;
+    int kb[2] = {block_of(0, 0), block_of(0, 1)};
+    mbar_wait(&full[0], 0);
+    {
+      const uint64_t dk = c.desc_k(0);
+      named_bar_sync(kTurnBar0 + me, 256);
+      wgmma_fence();
+      c.issue_qk(dk);
+      wgmma_commit();
+      named_bar_arrive(kTurnBar0 + other, 256);
+      wgmma_wait<0>();
+      fence_regs(c.s);
+    }
+    const bool masked0 = c.row_max(kb, c0, c1, al0, al1);
+    c.exponentiate(masked0, c0, c1, al0, al1, pa, [] {});
+    for (int u = 1; u < n_steps; ++u) {
+      const int st = u % kStages, sp = (u - 1) % kStages;
+      mbar_wait(&full[st], (u / kStages) & 1);
+      const uint64_t dk = c.desc_k(st), dv = c.desc_v(sp);
+      kb[0] = block_of(u, 0);
+      kb[1] = block_of(u, 1);
+      named_bar_sync(kTurnBar0 + me, 256);
+      wgmma_fence();
+      c.issue_qk(dk);
+      wgmma_commit();
+      c.issue_pv(dv, pa);
+      wgmma_commit();
+      named_bar_arrive(kTurnBar0 + other, 256);
+      wgmma_wait<1>();  // Q.K^T(u) done
+      fence_regs(c.s);
+      const bool masked = c.row_max(kb, c0, c1, al0, al1);
+      c.exponentiate(masked, c0, c1, al0, al1, pa, [&] {
+        wgmma_wait<0>();  // P.V(u-1) done
+        fence_regs(c.o);
+        fence_regs(pa);
+        mbar_arrive(&empty[sp]);
+        c.rescale(al0, al1);
+      });
+    }
+    // The last turn: P.V of the last step.
+    const int sp = (n_steps - 1) % kStages;
+    const uint64_t dv = c.desc_v(sp);
+    named_bar_sync(kTurnBar0 + me, 256);
+    wgmma_fence();
+    c.issue_pv(dv, pa);
+    wgmma_commit();
+    if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+    wgmma_wait<0>();
+    fence_regs(c.o);
+    mbar_arrive(&empty[sp]);
+  }
+  c.epilogue();
+#endif
+}
+
+template <class T, int D, bool kCausal>
+sparge_status_t launch16(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params16& prm,
+                         unsigned grid, cudaStream_t stream) {
+  using L = Layout16<D>;
+  static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
+  auto kernel = attn_fp16_sm90_kernel<T, D, kCausal>;
+  SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
+  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, prm);
+  SPARGE_LAUNCH_CHECK("attn_fp16_sm90_kernel");
+  return SPARGE_OK;
+}
+
+template <class T>
+sparge_status_t dispatch16(int64_t D, bool causal, const CUtensorMap& tq, const CUtensorMap& tk,
+                           const CUtensorMap& tv, const Params16& prm, unsigned grid, cudaStream_t stream) {
+  if (D == 128)
+    return causal ? launch16<T, 128, true>(tq, tk, tv, prm, grid, stream)
+                  : launch16<T, 128, false>(tq, tk, tv, prm, grid, stream);
+  return causal ? launch16<T, 64, true>(tq, tk, tv, prm, grid, stream)
+                : launch16<T, 64, false>(tq, tk, tv, prm, grid, stream);
+}
+
+// SPARGE_FP16_KERNEL=portable selects the mma.sync kernel on sm_90 too (a
+// developer switch for A/B measurements, read once).
+bool sm90_fp16_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPARGE_FP16_KERNEL");
+    return !(e != nullptr && std::strcmp(e, "portable") == 0);
+  }();
+  return on;
+}
+
+}  // namespace
+}  // namespace sm90
+
+sparge_status_t launch_attention_sm90_fp16(const AttnArgs& a, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  const Problem& pb = a.prob;
+  if (!sm90::sm90_fp16_enabled()) return SPARGE_OK;
+  if ((pb.D != 64 && pb.D != 128) || pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK) return SPARGE_OK;
+  if (pb.dtype != SPARGE_DTYPE_FLOAT16 && pb.dtype != SPARGE_DTYPE_BFLOAT16) return SPARGE_OK;
+  const int64_t rows = pb.B * pb.Hq * pb.nQB;
+  if (rows >= (int64_t(1) << 31) || pb.Lq >= (int64_t(1) << 31) || pb.Lkv >= (int64_t(1) << 31)) return SPARGE_OK;
+  if (rows == 0) {
+    *launched = true;
+    return SPARGE_OK;
+  }
+  sm90::EncodeTiledFn enc = nullptr;
+  SPARGE_TRY(sm90::get_encode_fn(&enc));
+  const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
+  CUtensorMap tq, tk, tv;
+  // A layout TMA cannot express (e.g. a zero stride) leaves the call to the
+  // portable kernel.
+  if (sm90::make_map_bhld16(enc, &tq, a.q.data, bf16, a.q.shape, a.q.stride, kGpuBlockQ) != CUDA_SUCCESS ||
+      sm90::make_map_bhld16(enc, &tk, a.k.data, bf16, a.k.shape, a.k.stride, kGpuBlockK) != CUDA_SUCCESS ||
+      sm90::make_map_bhld16(enc, &tv, a.v.data, bf16, a.v.shape, a.v.stride, kGpuBlockK) != CUDA_SUCCESS)
+    return SPARGE_OK;
+  sm90::Params16 prm{};
+  prm.idx = a.idx;
+  prm.cnt = a.cnt;
+  prm.order = a.order;
+  prm.out = a.out.data;
+  for (int i = 0; i < 4; ++i) prm.out_stride[i] = a.out.stride[i];
+  prm.lse = a.lse.data;
+  for (int i = 0; i < 3; ++i) prm.lse_stride[i] = a.lse.stride[i];
+  prm.Hq = static_cast<int>(pb.Hq);
+  prm.group = static_cast<int>(pb.Hq / pb.Hkv);
+  prm.Lq = static_cast<int>(pb.Lq);
+  prm.Lkv = static_cast<int>(pb.Lkv);
+  prm.nQB = static_cast<int>(pb.nQB);
+  prm.nKB = static_cast<int>(pb.nKB);
+  prm.scale_log2 = pb.scale * kLog2e;
+  const unsigned grid = static_cast<unsigned>(rows);
+  *launched = true;
+  if (bf16) return sm90::dispatch16<__nv_bfloat16>(pb.D, pb.causal, tq, tk, tv, prm, grid, stream);
+  return sm90::dispatch16<__half>(pb.D, pb.causal, tq, tk, tv, prm, grid, stream);
+}
+
+}  // namespace cuda
+}  // namespace sparge

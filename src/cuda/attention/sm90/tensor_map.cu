@@ -1,0 +1,66 @@
+// Tensor-map helpers shared by the sm_90a kernels (host code).
+#include "cuda/attention/sm90/tensor_map.hpp"
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "core/error.hpp"
+
+namespace sparge {
+namespace cuda {
+namespace sm90 {
+
+sparge_status_t get_encode_fn(EncodeTiledFn* fn) {
+  static EncodeTiledFn cached = nullptr;
+  static cudaError_t err = cudaSuccess;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
+    if (err == cudaSuccess && q == cudaDriverEntryPointSuccess) cached = reinterpret_cast<EncodeTiledFn>(ptr);
+  });
+  if (cached == nullptr) {
+    return fail(SPARGE_ERR_CUDA, "cuTensorMapEncodeTiled is not available from the CUDA driver (%s)",
+                cudaGetErrorString(err));
+  }
+  *fn = cached;
+  return SPARGE_OK;
+}
+
+sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, uint64_t row_bytes, uint64_t rows,
+                         uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swz, const char* what) {
+  const cuuint64_t dims[2] = {row_bytes, rows};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t estr[2] = {1, 1};
+  CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, estr,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return fail(SPARGE_ERR_CUDA, "cuTensorMapEncodeTiled(%s) failed with CUresult %d", what, int(r));
+  return SPARGE_OK;
+}
+
+CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, bool bf16, const int64_t (&shape)[4],
+                         const int64_t (&stride)[4], uint32_t box_rows) {
+  // TMA dimensions innermost first: D, L, H, B. The stride of an extent-1
+  // dimension is never used; any valid value (16 bytes) stands in for it.
+  const int order[3] = {2, 1, 0};
+  cuuint64_t dims[4] = {cuuint64_t(shape[3]), 0, 0, 0};
+  cuuint64_t strides[3];
+  for (int i = 0; i < 3; ++i) {
+    const int d = order[i];
+    dims[i + 1] = cuuint64_t(shape[d]);
+    strides[i] = (shape[d] == 1) ? cuuint64_t(16) : cuuint64_t(stride[d]) * 2;
+  }
+  const cuuint32_t box[4] = {64, box_rows, 1, 1};
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  return enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+             const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace sparge

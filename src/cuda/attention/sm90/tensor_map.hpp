@@ -1,0 +1,36 @@
+// Host side of the sm_90a kernels' TMA: the driver's tensor-map encoder
+// (looked up once through the runtime, so the library needs no -lcuda) and
+// the two map shapes the kernels use.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "sparge/sparge.h"
+
+namespace sparge {
+namespace cuda {
+namespace sm90 {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled; SPARGE_ERR_CUDA when the driver lacks it.
+sparge_status_t get_encode_fn(EncodeTiledFn* fn);
+
+// A 2-D uint8 tensor map: `rows` rows of `row_bytes` bytes, box = box_cols x box_rows.
+sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, uint64_t row_bytes, uint64_t rows,
+                         uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swz, const char* what);
+
+// A 4-D map over a 16-bit [B, H, L, D] tensor with element strides
+// `stride` (unit stride on D), box = 64 elements of D x box_rows rows of L,
+// 128B swizzle, zero fill outside the tensor. Returns the driver's result
+// (no error message): callers fall back to another kernel when the strides
+// are not expressible (e.g. a zero stride).
+CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, bool bf16, const int64_t (&shape)[4],
+                         const int64_t (&stride)[4], uint32_t box_rows);
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace sparge
