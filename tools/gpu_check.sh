@@ -21,8 +21,8 @@
 #   ncusrc    Nsight Compute full set on the same kernel: pipe utilization, stall reasons,
 #             and a per-SASS-instruction CSV (sass_source.csv)
 #   ncu       Nsight Compute (--clock-control none) on the int8_fp8 attention kernel
-#             at N=16K D=128 (tensor-pipe utilization, throughput), and kernel
-#             durations of one predict+attention call
+#             at N=16K D=128 (tensor-pipe utilization, throughput), the same for the
+#             FP16-mode sm_90a kernel, and kernel durations of one predict+attention call
 #
 # Environment
 #   BUILD_DIR (build-gpu)    GPU_CHECK_BUDGET_S (570: total seconds for all stages)
@@ -271,13 +271,19 @@ if want ncu; then
     # Achieved throughput: the kernel's own work over its ncu-measured duration.
     dur=$(grep -E 'gpu__time_duration.sum' "$LOG/ncu.log" | tail -n 1 | awk '{print $NF, $(NF-1)}')
     echo "kernel duration (ncu): $dur for 4*32*16384^2*128 = 4.398e12 ops (TOPS = 4398 / duration in ms)" | tee -a "$LOG/ncu.log"
+    # The FP16-mode sm_90a kernel on the same workload: duration and pipe use.
+    run_to "$LOG/ncu.log" "$(allow 90)" ncu --clock-control none -k regex:attn_fp16_sm90 --launch-skip 1 -c 1 \
+      --section SpeedOfLight --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes fp16 --warmup 1 \
+      --min-iters 1 --max-iters 1 || rc1=$?
+    dur16=$(grep -E 'gpu__time_duration.sum' "$LOG/ncu.log" | tail -n 1 | awk '{print $NF, $(NF-1)}')
+    echo "fp16 kernel duration (ncu): $dur16 for 4.398e12 flop" | tee -a "$LOG/ncu.log"
     rc2=0
     # Every kernel of one predict+attention call (prediction breakdown), durations only.
     run_to "$LOG/ncu.log" "$(allow 120)" ncu --clock-control none --metrics gpu__time_duration.sum \
       "$BENCH" --n 32768 --d 128 --causal 0 --modes pred+attn --warmup 0 --min-iters 1 --max-iters 1 || rc2=$?
     st=ok
     ((rc1 != 0 || rc2 != 0)) && st=FAIL
-    note ncu $st $(($(date +%s) - s)) "kernel rc=$rc1, breakdown rc=$rc2; $dur"
+    note ncu $st $(($(date +%s) - s)) "kernel rc=$rc1, breakdown rc=$rc2; int8_fp8 $dur; fp16 $dur16"
   fi
 fi
 

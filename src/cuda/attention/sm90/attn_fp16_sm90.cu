@@ -274,7 +274,11 @@ struct Consumer16 {
     l1 = l1 * alpha1 + rs1;
   }
 
+  // O *= alpha, skipped when no row of the warp changed its max (alpha is
+  // then exactly 1 and the product would be O itself): after the first few
+  // steps of a row most steps leave the max unchanged.
   __device__ __forceinline__ void rescale(float alpha0, float alpha1) {
+    if (!__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) return;
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j] *= (j & 2) ? alpha1 : alpha0;
   }
