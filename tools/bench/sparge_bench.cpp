@@ -8,6 +8,8 @@
 //   predict    mask prediction alone (topk)
 //   pred+attn  attention with the mask predicted inside (mask = NULL, topk)
 //   fp16       fp16-mode attention on an all-ones mask
+//   fp16sparse fp16-mode attention on random block masks of density 0.5, 0.2,
+//              0.1 (ratio and target against fp16-mode dense)
 //   splitv     int8_fp8_split_v attention on an all-ones mask
 // Each measurement: warm-up, then the median of many iterations (each timed by
 // its own pair of events), rotating among several input sets when one set is
@@ -35,7 +37,8 @@ struct Options {
   std::vector<int64_t> ns = {8192, 16384, 32768};
   std::vector<int64_t> ds = {128, 64};
   std::vector<int> causal = {0, 1};
-  std::vector<std::string> modes = {"dense", "d0.5", "d0.2", "d0.1", "predict", "pred+attn", "fp16", "splitv"};
+  std::vector<std::string> modes = {"dense",     "d0.5", "d0.2",       "d0.1",
+                                    "predict",   "pred+attn", "fp16", "fp16sparse", "splitv"};
   int64_t batch = 1, heads = 32;
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
@@ -72,7 +75,7 @@ void usage() {
       "  --n64k            add N = 64K\n"
       "  --d LIST          head dims (default 128,64)\n"
       "  --causal LIST     0,1 (default both)\n"
-      "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16,splitv (default all)\n"
+      "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16,fp16sparse,splitv (default all)\n"
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
       "  --lse             also write the LSE output\n"
@@ -353,7 +356,7 @@ int main(int argc, char** argv) {
           if (std::isfinite(r.ms)) {
             r.tops_dense = dense_flop / (r.ms * 1e-3) / 1e12;
             r.tops_work = r.tops_dense * r.density;
-            if (std::isfinite(dense_ms) && r.mode != "dense") r.ratio = r.ms / dense_ms;
+            if (std::isfinite(dense_ms) && r.mode != "dense" && !std::isfinite(r.ratio)) r.ratio = r.ms / dense_ms;
           }
           std::printf("  N=%-6lld D=%-4lld causal=%d %-10s %-9s density %.3f  %9.3f ms  %7.1f TOPS  %s\n",
                       static_cast<long long>(N), static_cast<long long>(D), causal, r.mode.c_str(),
@@ -499,7 +502,27 @@ int main(int argc, char** argv) {
           }
           emit(r);
         };
-        if (has("fp16")) dense_other(plan16, w16, e16, "fp16");
+        if (has("fp16") || has("fp16sparse")) dense_other(plan16, w16, e16, "fp16");
+        if (has("fp16sparse") && plan16) {
+          const double dense16 = rows.back().ms;
+          for (double d : {0.5, 0.2, 0.1}) {
+            Row r;
+            r.precision = "fp16";
+            char name[16];
+            std::snprintf(name, sizeof name, "d%g", d);
+            r.mode = name;
+            Buf m = make_mask(d, &r.density);
+            const sparge_tensor_t mdd = desc(m.p, SPARGE_DTYPE_UINT8, 4, msh, mst);
+            run_attn(plan16, &mdd, r, w16);
+            if (std::isfinite(r.ms) && std::isfinite(dense16)) {
+              r.ratio = r.ms / dense16;  // against fp16-mode dense
+              char t[64];
+              std::snprintf(t, sizeof t, "<=%.2f %s", r.density + 0.05, r.ratio <= r.density + 0.05 ? "ok" : "MISS");
+              r.target = t;
+            }
+            emit(r);
+          }
+        }
         if (has("splitv")) dense_other(plan_sv, wsv, esv, "int8_fp8_split_v");
         sparge_destroy_plan(plan8);
         sparge_destroy_plan(plan16);
