@@ -33,6 +33,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cuda/attention/sm90/sm90_cta.cuh"
 #include "cuda/attention/sm90/sm90_primitives.cuh"
 #include "cuda/attention/sm90/tensor_map.hpp"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
@@ -49,7 +50,6 @@ constexpr int kBK = 64;     // keys per listed block (= mask block cols)
 constexpr int kKeys = 128;  // keys per step: two listed blocks
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
-constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking
 
 // Shared memory. Every operand tile is stored as column blocks of 64
 // elements (128 bytes per row, 128B swizzle, as TMA writes it):
@@ -74,51 +74,20 @@ struct Layout16 {
   static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
 };
 
-struct Params16 {
-  const int32_t* idx;
-  const int32_t* cnt;
-  const int32_t* order;
-  void* out;
-  int64_t out_stride[4];
-  float* lse;
-  int64_t lse_stride[3];
-  int Hq, group, Lq, Lkv, nQB, nKB;
-  float scale_log2;  // scale * log2(e)
-};
 
-// The 16-bit type's wgmma instructions and pair packing.
+// Two floats -> a 16-bit pair (lo in the low half), round to nearest even.
 template <class T>
-struct Ops16;
+__device__ __forceinline__ uint32_t pack16(float lo, float hi);
 template <>
-struct Ops16<__nv_bfloat16> {
-  static __device__ __forceinline__ void qk(float (&d)[64], uint64_t a, uint64_t b, int acc) {
-    wgmma_m64n128k16_bf16_ss(d, a, b, acc);
-  }
-  template <int N>
-  static __device__ __forceinline__ void pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
-    if constexpr (N == 128) wgmma_m64n128k16_bf16_rs_tb(d, a, b, 1);
-    else wgmma_m64n64k16_bf16_rs_tb(d, a, b, 1);
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
+__device__ __forceinline__ uint32_t pack16<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 template <>
-struct Ops16<__half> {
-  static __device__ __forceinline__ void qk(float (&d)[64], uint64_t a, uint64_t b, int acc) {
-    wgmma_m64n128k16_f16_ss(d, a, b, acc);
-  }
-  template <int N>
-  static __device__ __forceinline__ void pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
-    if constexpr (N == 128) wgmma_m64n128k16_f16_rs_tb(d, a, b, 1);
-    else wgmma_m64n64k16_f16_rs_tb(d, a, b, 1);
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
+__device__ __forceinline__ uint32_t pack16<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 // Per-thread state of one consumer warpgroup (64 query rows). Register j of
 // an m64nN accumulator holds row (j & 2 ? row1 : row0) and column
@@ -126,12 +95,12 @@ struct Ops16<__half> {
 template <class T, int D, bool kCausal>
 struct Consumer16 {
   using L = Layout16<D>;
-  using Op = Ops16<T>;
+  using Mma = Wgmma16<T>;
   static constexpr int NS = kKeys / 2;  // S accumulator registers per thread
   static constexpr int KS = kKeys / 16;  // k-steps of P.V
   static constexpr int NO = D / 2;       // O accumulator registers per thread
 
-  const Params16& p;
+  const RowParams& p;
   const int cw, quad, bh, b, h, row0, row1, wg_row_min, diag;
   const uint8_t* sk;
   const uint8_t* sv;
@@ -140,7 +109,7 @@ struct Consumer16 {
   float s[NS];
   float o[NO];
 
-  __device__ Consumer16(const Params16& p_, int cw_, int tid, int bh_, int qb, const uint8_t* sq, const uint8_t* sk_,
+  __device__ Consumer16(const RowParams& p_, int cw_, int tid, int bh_, int qb, const uint8_t* sq, const uint8_t* sk_,
                         const uint8_t* sv_)
       : p(p_),
         cw(cw_),
@@ -173,7 +142,7 @@ struct Consumer16 {
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t qoff = (kk / 4) * L::kQCol + (kk % 4) * 32;
       const uint32_t koff = (kk / 4) * L::kKVCol + (kk % 4) * 32;
-      Op::qk(s, desc_q + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
+      Mma::ss_m64n128k16(s, desc_q + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
     }
   }
 
@@ -181,7 +150,7 @@ struct Consumer16 {
   // every column block (2048 bytes further per k-step).
   __device__ __forceinline__ void issue_pv(uint64_t dv, const uint32_t (&pa)[KS][4]) {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) Op::template pv<D>(o, pa[ks], dv + uint64_t((ks * 2048) >> 4));
+    for (int ks = 0; ks < KS; ++ks) Mma::template rs_tb_m64nNk16<D>(o, pa[ks], dv + uint64_t((ks * 2048) >> 4), 1);
   }
 
   // Phase 1 (reads S only, so it can run while the previous P.V is in
@@ -262,7 +231,7 @@ struct Consumer16 {
           else rs0 += x[jj];
         }
 #pragma unroll
-        for (int r = 0; r < 4; ++r) pa[ks][r] = Op::pack(x[2 * r], x[2 * r + 1]);
+        for (int r = 0; r < 4; ++r) pa[ks][r] = pack16<T>(x[2 * r], x[2 * r + 1]);
       }
     };
     if (masked) {
@@ -300,7 +269,7 @@ struct Consumer16 {
 #pragma unroll
       for (int c = 0; c < D / 8; ++c) {
         const int col = 8 * c + 2 * quad;
-        *reinterpret_cast<uint32_t*>(orow + col) = Op::pack(o[c * 4 + 2 * half] * inv, o[c * 4 + 2 * half + 1] * inv);
+        *reinterpret_cast<uint32_t*>(orow + col) = pack16<T>(o[c * 4 + 2 * half] * inv, o[c * 4 + 2 * half + 1] * inv);
       }
       if (p.lse != nullptr && quad == 0) {
         const float l = half ? l1 : l0;
@@ -315,104 +284,77 @@ struct Consumer16 {
 template <class T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_fp16_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const Params16 p) {
+                          const __grid_constant__ CUtensorMap tm_v, const RowParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout16<D>;
   using C = Consumer16<T, D, kCausal>;
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sq = smem + L::kQ;
-  uint8_t* sk = smem + L::kK;
-  uint8_t* sv = smem + L::kV;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
-  uint64_t* empty = full + kStages;
-  uint64_t* qbar = empty + kStages;
+  const SmemRing<kStages> ring(smem_raw, L::kBar);
+  uint8_t* sq = ring.base + L::kQ;
+  uint8_t* sk = ring.base + L::kK;
+  uint8_t* sv = ring.base + L::kV;
 
-  const int row_id = p.order[blockIdx.x];
-  const int bh = row_id / p.nQB;
-  const int qb = row_id - bh * p.nQB;
-  const int b = bh / p.Hq;
-  const int h = bh - b * p.Hq;
-  const int hkv = h / p.group;
-  const int n_tiles = p.cnt[row_id];
-  const int n_steps = (n_tiles + 1) / 2;
-  const int32_t* tiles = p.idx + int64_t(row_id) * p.nKB;
-  auto block_of = [&](int u, int hh) { return (2 * u + hh < n_tiles) ? tiles[2 * u + hh] : -1; };
+  const RowWork w(p);
+  const int qb = w.qb, b = w.b, h = w.h, hkv = w.hkv;
+  const int n_steps = w.steps<2>();
   // Stage st <- the K and V rows of the step's two blocks (a missing second
   // block loads the first again: finite data, masked scores, same byte count).
   auto load_stage = [&](int st, const int (&kbh)[2]) {
-    mbar_arrive_expect_tx(&full[st], 2 * L::kKVBytes);
+    mbar_arrive_expect_tx(&ring.full[st], 2 * L::kKVBytes);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int kb = kbh[hh] >= 0 ? kbh[hh] : kbh[0];
 #pragma unroll
       for (int cb = 0; cb < L::kCols; ++cb) {
         const int off = st * L::kKVBytes + cb * L::kKVCol + hh * L::kBlockRows;
-        tma_load_4d(sk + off, &tm_k, &full[st], cb * 64, kb * kBK, hkv, b);
-        tma_load_4d(sv + off, &tm_v, &full[st], cb * 64, kb * kBK, hkv, b);
+        tma_load_4d(sk + off, &tm_k, &ring.full[st], cb * 64, kb * kBK, hkv, b);
+        tma_load_4d(sv + off, &tm_v, &ring.full[st], cb * 64, kb * kBK, hkv, b);
       }
     }
   };
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    int first[2];
+    start_ring<kStages, 2>(
+        w, p.nKB, n_steps, ring.full, ring.empty, ring.qbar,
+        [&] {
+          mbar_arrive_expect_tx(ring.qbar, L::kQBytes);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) first[hh] = (hh < p.nKB) ? tiles[hh] : -1;
-    for (int st = 0; st < kStages; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&empty[st], 256);
-    }
-    mbar_init(qbar, 1);
-    mbar_fence_init();
-    mbar_arrive_expect_tx(qbar, L::kQBytes);
-#pragma unroll
-    for (int cb = 0; cb < L::kCols; ++cb) tma_load_4d(sq + cb * L::kQCol, &tm_q, qbar, cb * 64, qb * kBQ, h, b);
-    if (n_steps > 0) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) first[hh] = (hh < n_tiles) ? first[hh] : -1;
-      load_stage(0, first);
-    }
+          for (int cb = 0; cb < L::kCols; ++cb) tma_load_4d(sq + cb * L::kQCol, &tm_q, ring.qbar, cb * 64, qb * kBQ, h, b);
+        },
+        load_stage);
   }
   __syncthreads();
 
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     regs_dealloc<kProducerRegs>();
-    if (threadIdx.x == 0) {
-      for (int u = 1; u < n_steps; ++u) {
-        const int st = u % kStages;
-        if (u >= kStages) mbar_wait(&empty[st], ((u / kStages) - 1) & 1);
-        const int kbh[2] = {block_of(u, 0), block_of(u, 1)};
-        load_stage(st, kbh);
-      }
-    }
+    if (threadIdx.x == 0) produce<kStages, 2>(w, n_steps, ring.empty, load_stage);
     return;
   }
 
   // -------------------------------------------------------------- consumers
   regs_alloc<kConsumerRegs>();
-  C c(p, wg - 1, threadIdx.x - 128 * wg, bh, qb, sq, sk, sv);
-  mbar_wait(qbar, 0);
+  C c(p, wg - 1, threadIdx.x - 128 * wg, w.bh, qb, sq, sk, sv);
+  mbar_wait(ring.qbar, 0);
   if (n_steps > 0) {
     const int me = c.cw, other = c.cw ^ 1;
     // Turn-taking as in the INT8_FP8 kernel: in its turn a warpgroup issues
     // Q.K^T(u) then P.V(u-1); it takes the row max of step u while P.V(u-1)
     // runs, then waits for it, rescales O for step u and exponentiates step u
     // (overwriting the P registers P.V(u-1) read) during the other's turn.
-    if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+    if (me == 1) turn_end(0);  // warpgroup 0 goes first
     uint32_t pa[C::KS][4];
     float c0, c1, al0, al1;
-    int kb[2] = {block_of(0, 0), block_of(0, 1)};
-    mbar_wait(&full[0], 0);
+    int kb[2] = {w.block<2>(0, 0), w.block<2>(0, 1)};
+    mbar_wait(&ring.full[0], 0);
     {
       const uint64_t dk = c.desc_k(0);
-      named_bar_sync(kTurnBar0 + me, 256);
-      wgmma_fence();
+      turn_begin(me);
       c.issue_qk(dk);
       wgmma_commit();
-      named_bar_arrive(kTurnBar0 + other, 256);
+      turn_end(other);
       wgmma_wait<0>();
       fence_regs(c.s);
     }
@@ -420,17 +362,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     c.exponentiate(masked0, c0, c1, al0, al1, pa, [] {});
     for (int u = 1; u < n_steps; ++u) {
       const int st = u % kStages, sp = (u - 1) % kStages;
-      mbar_wait(&full[st], (u / kStages) & 1);
+      mbar_wait(&ring.full[st], (u / kStages) & 1);
       const uint64_t dk = c.desc_k(st), dv = c.desc_v(sp);
-      kb[0] = block_of(u, 0);
-      kb[1] = block_of(u, 1);
-      named_bar_sync(kTurnBar0 + me, 256);
-      wgmma_fence();
+      kb[0] = w.block<2>(u, 0);
+      kb[1] = w.block<2>(u, 1);
+      turn_begin(me);
       c.issue_qk(dk);
       wgmma_commit();
       c.issue_pv(dv, pa);
       wgmma_commit();
-      named_bar_arrive(kTurnBar0 + other, 256);
+      turn_end(other);
       wgmma_wait<1>();  // Q.K^T(u) done
       fence_regs(c.s);
       const bool masked = c.row_max(kb, c0, c1, al0, al1);
@@ -438,28 +379,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<0>();  // P.V(u-1) done
         fence_regs(c.o);
         fence_regs(pa);
-        mbar_arrive(&empty[sp]);
+        mbar_arrive(&ring.empty[sp]);
         c.rescale(al0, al1);
       });
     }
     // The last turn: P.V of the last step.
     const int sp = (n_steps - 1) % kStages;
     const uint64_t dv = c.desc_v(sp);
-    named_bar_sync(kTurnBar0 + me, 256);
-    wgmma_fence();
+    turn_begin(me);
     c.issue_pv(dv, pa);
     wgmma_commit();
-    if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+    if (me == 0) turn_end(other);  // balances the initial arrive
     wgmma_wait<0>();
     fence_regs(c.o);
-    mbar_arrive(&empty[sp]);
+    mbar_arrive(&ring.empty[sp]);
   }
   c.epilogue();
 #endif
 }
 
 template <class T, int D, bool kCausal>
-sparge_status_t launch16(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params16& prm,
+sparge_status_t launch16(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const RowParams& prm,
                          unsigned grid, cudaStream_t stream) {
   using L = Layout16<D>;
   static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
@@ -472,7 +412,7 @@ sparge_status_t launch16(const CUtensorMap& tq, const CUtensorMap& tk, const CUt
 
 template <class T>
 sparge_status_t dispatch16(int64_t D, bool causal, const CUtensorMap& tq, const CUtensorMap& tk,
-                           const CUtensorMap& tv, const Params16& prm, unsigned grid, cudaStream_t stream) {
+                           const CUtensorMap& tv, const RowParams& prm, unsigned grid, cudaStream_t stream) {
   if (D == 128)
     return causal ? launch16<T, 128, true>(tq, tk, tv, prm, grid, stream)
                   : launch16<T, 128, false>(tq, tk, tv, prm, grid, stream);
@@ -515,21 +455,8 @@ sparge_status_t launch_attention_sm90_fp16(const AttnArgs& a, cudaStream_t strea
       sm90::make_map_bhld16(enc, &tk, a.k.data, bf16, a.k.shape, a.k.stride, kGpuBlockK) != CUDA_SUCCESS ||
       sm90::make_map_bhld16(enc, &tv, a.v.data, bf16, a.v.shape, a.v.stride, kGpuBlockK) != CUDA_SUCCESS)
     return SPARGE_OK;
-  sm90::Params16 prm{};
-  prm.idx = a.idx;
-  prm.cnt = a.cnt;
-  prm.order = a.order;
-  prm.out = a.out.data;
-  for (int i = 0; i < 4; ++i) prm.out_stride[i] = a.out.stride[i];
-  prm.lse = a.lse.data;
-  for (int i = 0; i < 3; ++i) prm.lse_stride[i] = a.lse.stride[i];
-  prm.Hq = static_cast<int>(pb.Hq);
-  prm.group = static_cast<int>(pb.Hq / pb.Hkv);
-  prm.Lq = static_cast<int>(pb.Lq);
-  prm.Lkv = static_cast<int>(pb.Lkv);
-  prm.nQB = static_cast<int>(pb.nQB);
-  prm.nKB = static_cast<int>(pb.nKB);
-  prm.scale_log2 = pb.scale * kLog2e;
+  sm90::RowParams prm{};
+  sm90::fill_row_params(a, &prm);
   const unsigned grid = static_cast<unsigned>(rows);
   *launched = true;
   if (bf16) return sm90::dispatch16<__nv_bfloat16>(pb.D, pb.causal, tq, tk, tv, prm, grid, stream);

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cuda/attention/sm90/sm90_cta.cuh"
 #include "cuda/attention/sm90/sm90_primitives.cuh"
 #include "cuda/attention/sm90/tensor_map.hpp"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
@@ -46,7 +47,6 @@ constexpr int kBK = 64;   // keys per tile (= mask block cols)
 // setmaxnreg budgets: 128*24 + 256*240 <= 64K registers of the SM.
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
-constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
 constexpr int kVScaleBar = 3;  // named barrier 3: the V scales in shared memory are ready
 
 // Consumer schedules (see docs/KERNELS-SM90.md):
@@ -87,20 +87,11 @@ struct SmemLayout {
   static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
 };
 
-struct Params {
+struct Params : RowParams {
   const float* q_scale;  // [BHq, nQB*128]
   const float* q_mu;     // [BHq, nQB*128]
   const float* k_scale;  // [BHkv, nKB]
   const float* v_amax;   // [BHkv, D]
-  const int32_t* idx;
-  const int32_t* cnt;
-  const int32_t* order;
-  void* out;
-  int64_t out_stride[4];
-  float* lse;
-  int64_t lse_stride[3];
-  int Hq, group, Lq, Lkv, nQB, nKB;
-  float scale_log2;  // scale * log2(e)
   int out_bf16;
 };
 
@@ -403,63 +394,39 @@ __global__ void __launch_bounds__(kThreads, 1)
   using L = SmemLayout<D, kKeys, kVTerms>;
   using C = Consumer<D, kCausal, kKeys, kVTerms>;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sq = smem + L::kQ;
-  uint8_t* sk = smem + L::kK;
-  uint8_t* sv = smem + L::kV;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
-  uint64_t* empty = full + kStages;
-  uint64_t* qbar = empty + kStages;
+  const SmemRing<kStages> ring(smem_raw, L::kBar);
+  uint8_t* sq = ring.base + L::kQ;
+  uint8_t* sk = ring.base + L::kK;
+  uint8_t* sv = ring.base + L::kV;
 
-  const int row_id = p.order[blockIdx.x];
-  const int bh = row_id / p.nQB;
-  const int qb = row_id - bh * p.nQB;
-  const int b = bh / p.Hq;
-  const int h = bh - b * p.Hq;
-  const int bhkv = b * (p.Hq / p.group) + h / p.group;
-  const int n_tiles = p.cnt[row_id];
-  const int n_steps = (n_tiles + kHalves - 1) / kHalves;
-  const int32_t* tiles = p.idx + int64_t(row_id) * p.nKB;
-  // Key block of half hh of step u; -1 past the end (odd count, wide steps).
-  auto block_of = [&](int u, int hh) { return (u * kHalves + hh < n_tiles) ? tiles[u * kHalves + hh] : -1; };
+  const RowWork w(p);
+  const int row_id = w.row_id, bh = w.bh, qb = w.qb, bhkv = w.bhkv;
+  const int n_steps = w.steps<kHalves>();
+  auto block_of = [&](int u, int hh) { return w.block<kHalves>(u, hh); };
   // Stage s <- step u: K tiles and V^T tiles (hi, and lo for split V).
   auto load_stage = [&](int s, const int (&kbh)[kHalves]) {
-    mbar_arrive_expect_tx(&full[s], L::kKBytes + L::kVStage);
+    mbar_arrive_expect_tx(&ring.full[s], L::kKBytes + L::kVStage);
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) {
       // A missing second block loads the first again (finite data; its
       // scores are masked), so every stage completes the same byte count.
       const int kb = kbh[hh] >= 0 ? kbh[hh] : kbh[0];
-      tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &full[s], 0, (bhkv * p.nKB + kb) * kBK);
-      tma_load_2d(sv + s * L::kVStage + hh * L::kVTile, &tm_v, &full[s], kb * kBK, bhkv * D);
+      tma_load_2d(sk + s * L::kKBytes + hh * L::kKTile, &tm_k, &ring.full[s], 0, (bhkv * p.nKB + kb) * kBK);
+      tma_load_2d(sv + s * L::kVStage + hh * L::kVTile, &tm_v, &ring.full[s], kb * kBK, bhkv * D);
       if (kVTerms == 2)
-        tma_load_2d(sv + s * L::kVStage + L::kVBytes + hh * L::kVTile, &tm_vlo, &full[s], kb * kBK, bhkv * D);
+        tma_load_2d(sv + s * L::kVStage + L::kVBytes + hh * L::kVTile, &tm_vlo, &ring.full[s], kb * kBK, bhkv * D);
     }
   };
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    // The first entries of the row's list are read alongside its count (they
-    // are inside the row's nKB entries whatever the count), so the first
-    // stage waits for one global load after `order`, not two.
-    int first[kHalves];
-#pragma unroll
-    for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < p.nKB) ? tiles[hh] : -1;
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 256);
-    }
-    mbar_init(qbar, 1);
-    mbar_fence_init();
-    // Q first (it needs the row only), then stage 0, before the CTA-wide
-    // barrier; the consumers wait for Q even on an empty row.
-    mbar_arrive_expect_tx(qbar, L::kQBytes);
-    tma_load_2d(sq, &tm_q, qbar, 0, row_id * kBQ);
-    if (n_steps > 0) {
-#pragma unroll
-      for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < n_tiles) ? first[hh] : -1;
-      load_stage(0, first);
-    }
+    start_ring<kStages, kHalves>(
+        w, p.nKB, n_steps, ring.full, ring.empty, ring.qbar,
+        [&] {
+          mbar_arrive_expect_tx(ring.qbar, L::kQBytes);
+          tma_load_2d(sq, &tm_q, ring.qbar, 0, row_id * kBQ);
+        },
+        load_stage);
   }
   __syncthreads();
 
@@ -467,17 +434,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ------------------------------------------------------------ producer
     regs_dealloc<kProducerRegs>();
     if (threadIdx.x == 0) {
-      for (int u = 1; u < n_steps; ++u) {
-        const int s = u % kStages;
-        if (u >= kStages) mbar_wait(&empty[s], ((u / kStages) - 1) & 1);
-        int kbh[kHalves];
-#pragma unroll
-        for (int hh = 0; hh < kHalves; ++hh) kbh[hh] = block_of(u, hh);
-        load_stage(s, kbh);
-      }
+      produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
     } else if (threadIdx.x >= 32 && threadIdx.x < 64) {
       // Second warp: the epilogue's V scales into shared memory.
-      float* vs = reinterpret_cast<float*>(smem + L::kVScale);
+      float* vs = reinterpret_cast<float*>(ring.base + L::kVScale);
       const float* vamax = p.v_amax + int64_t(bhkv) * D;
       constexpr float kDequantPV = 1.f / kFp8Max;  // l carries the other 1/448
       for (int i = threadIdx.x - 32; i < D; i += 32) vs[i] = vamax[i] * kDequantPV;
@@ -493,20 +453,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) kb[hh] = block_of(u, hh);
   };
-  mbar_wait(qbar, 0);
+  mbar_wait(ring.qbar, 0);
   if (n_steps > 0) {
     const int me = c.cw, other = c.cw ^ 1;
     // The first turn, common to both schedules: Q.K^T(0) alone, waited for.
     // `before_turn` runs between the stage wait and the turn (global loads).
     auto first_qk = [&](auto before_turn) {
-      mbar_wait(&full[0], 0);
+      mbar_wait(&ring.full[0], 0);
       const uint64_t dk = c.desc_k(0);
       before_turn();
-      named_bar_sync(kTurnBar0 + me, 256);
-      wgmma_fence();
+      turn_begin(me);
       c.issue_qk(dk);
       wgmma_commit();
-      named_bar_arrive(kTurnBar0 + other, 256);
+      turn_end(other);
       wgmma_wait<0>();
       fence_regs(c.acc);
     };
@@ -514,14 +473,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto last_pv = [&](const uint32_t(&pin)[C::KS][4], float ain0, float ain1) {
       const int sp = (n_steps - 1) % kStages;
       const uint64_t dv = c.desc_v(sp);
-      named_bar_sync(kTurnBar0 + me, 256);
-      wgmma_fence();
+      turn_begin(me);
       c.issue_pv(dv, pin);
       wgmma_commit();
-      if (me == 0) named_bar_arrive(kTurnBar0 + other, 256);  // balances the initial arrive
+      if (me == 0) turn_end(other);  // balances the initial arrive
       wgmma_wait<0>();
       fence_regs(c.o_tile);
-      mbar_arrive(&empty[sp]);
+      mbar_arrive(&ring.empty[sp]);
       c.accumulate(ain0, ain1);
     };
     if constexpr (kSchedule == kWide) {
@@ -535,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // inside the loop (H200 A/B, docs/PERF-NOTES.md v13: +9 % time there,
       // -1..-4 % everywhere else).
       constexpr bool kMaxUnderPV = !(kCausal && D == 128);
-      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+      if (me == 1) turn_end(0);  // warpgroup 0 goes first
       uint32_t pa[C::KS][4];
       float al0, al1;
       int kb[kHalves];
@@ -547,17 +505,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       c.softmax(kb, ksc, pa, al0, al1);
       for (int u = 1; u < n_steps; ++u) {
         const int s = u % kStages, sp = (u - 1) % kStages;
-        mbar_wait(&full[s], (u / kStages) & 1);
+        mbar_wait(&ring.full[s], (u / kStages) & 1);
         const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
         blocks(u, kb);
         c.load_kscale(kb, ksc);
-        named_bar_sync(kTurnBar0 + me, 256);
-        wgmma_fence();
+        turn_begin(me);
         c.issue_qk(dk);
         wgmma_commit();
         c.issue_pv(dv, pa);
         wgmma_commit();
-        named_bar_arrive(kTurnBar0 + other, 256);
+        turn_end(other);
         wgmma_wait<1>();  // Q.K^T(u) done
         fence_regs(c.acc);
         float nal0, nal1;
@@ -570,14 +527,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             wgmma_wait<0>();  // P.V(u-1) done
             fence_regs(c.o_tile);
             fence_regs(pa);
-            mbar_arrive(&empty[sp]);
+            mbar_arrive(&ring.empty[sp]);
             c.accumulate(al0, al1);
           });
         } else {
           wgmma_wait<0>();  // P.V(u-1) done
           fence_regs(c.o_tile);
           fence_regs(pa);
-          mbar_arrive(&empty[sp]);
+          mbar_arrive(&ring.empty[sp]);
           c.exponentiate(st, nal0, nal1, pa, [&] { c.accumulate(al0, al1); });
         }
         al0 = nal0;
@@ -587,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       // Intra-warpgroup overlap (softmax of tile t while P.V of tile t-1 runs)
       // and turn-taking between the two consumer warpgroups.
-      if (me == 1) named_bar_arrive(kTurnBar0 + 0, 256);  // warpgroup 0 goes first
+      if (me == 1) turn_end(0);  // warpgroup 0 goes first
       first_qk([] {});
       // Two P buffers used alternately (the loop is unrolled by two), so the
       // registers an in-flight P.V reads are never the ones the next softmax
@@ -603,15 +560,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto step = [&](int t, const uint32_t(&pin)[C::KS][4], float ain0, float ain1, uint32_t(&pout)[C::KS][4],
                       float& aout0, float& aout1) {
         const int s = t % kStages, sp = (t - 1) % kStages;
-        mbar_wait(&full[s], (t / kStages) & 1);
+        mbar_wait(&ring.full[s], (t / kStages) & 1);
         const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
-        named_bar_sync(kTurnBar0 + me, 256);
-        wgmma_fence();
+        turn_begin(me);
         c.issue_qk(dk);
         wgmma_commit();
         c.issue_pv(dv, pin);
         wgmma_commit();
-        named_bar_arrive(kTurnBar0 + other, 256);
+        turn_end(other);
         wgmma_wait<1>();
         fence_regs(c.acc);
         int kbt[kHalves];
@@ -621,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         c.softmax(kbt, kst, pout, aout0, aout1);
         wgmma_wait<0>();
         fence_regs(c.o_tile);
-        mbar_arrive(&empty[sp]);
+        mbar_arrive(&ring.empty[sp]);
         c.accumulate(ain0, ain1);
       };
       int t = 1;
@@ -637,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  c.epilogue(reinterpret_cast<const float*>(smem + L::kVScale));
+  c.epilogue(reinterpret_cast<const float*>(ring.base + L::kVScale));
 #endif
 }
 
@@ -708,20 +664,7 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
   prm.q_mu = a.q_mu;
   prm.k_scale = a.k_scale;
   prm.v_amax = a.v_amax;
-  prm.idx = a.idx;
-  prm.cnt = a.cnt;
-  prm.order = a.order;
-  prm.out = a.out.data;
-  for (int i = 0; i < 4; ++i) prm.out_stride[i] = a.out.stride[i];
-  prm.lse = a.lse.data;
-  for (int i = 0; i < 3; ++i) prm.lse_stride[i] = a.lse.stride[i];
-  prm.Hq = static_cast<int>(pb.Hq);
-  prm.group = static_cast<int>(pb.Hq / pb.Hkv);
-  prm.Lq = static_cast<int>(pb.Lq);
-  prm.Lkv = static_cast<int>(pb.Lkv);
-  prm.nQB = static_cast<int>(pb.nQB);
-  prm.nKB = static_cast<int>(pb.nKB);
-  prm.scale_log2 = pb.scale * kLog2e;
+  sm90::fill_row_params(a, &prm);
   prm.out_bf16 = (pb.dtype == SPARGE_DTYPE_BFLOAT16) ? 1 : 0;
   if (pb.D == 128) {
     if (pb.causal) return sm90::launch_variant<128, true>(a, prm, stream);
