@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -175,6 +176,7 @@ struct Row {
   int causal;
   std::string mode, precision;
   double density = 1, ms = NAN, tops_work = NAN, tops_dense = NAN, ratio = NAN;
+  double host_us = NAN;  // median CPU time of the API call itself (enqueue only)
   int iters = 0, sets = 0;
   std::string target, note;
 };
@@ -358,9 +360,9 @@ int main(int argc, char** argv) {
             r.tops_work = r.tops_dense * r.density;
             if (std::isfinite(dense_ms) && r.mode != "dense" && !std::isfinite(r.ratio)) r.ratio = r.ms / dense_ms;
           }
-          std::printf("  N=%-6lld D=%-4lld causal=%d %-10s %-9s density %.3f  %9.3f ms  %7.1f TOPS  %s\n",
+          std::printf("  N=%-6lld D=%-4lld causal=%d %-10s %-9s density %.3f  %9.3f ms  %7.1f TOPS  host %6.1f us  %s\n",
                       static_cast<long long>(N), static_cast<long long>(D), causal, r.mode.c_str(),
-                      r.precision.c_str(), r.density, r.ms, r.tops_work, r.note.c_str());
+                      r.precision.c_str(), r.density, r.ms, r.tops_work, r.host_us, r.note.c_str());
           std::fflush(stdout);
           rows.push_back(r);
         };
@@ -386,14 +388,21 @@ int main(int argc, char** argv) {
         auto run_attn = [&](sparge_plan_t plan, const sparge_tensor_t* mask, Row& r, size_t wsb) {
           sparge_status_t last = SPARGE_OK;
           poison();
+          std::vector<double> host;
           r.ms = time_median(
               o, nsets,
               [&](int i) {
+                const auto h0 = std::chrono::steady_clock::now();
                 last = sparge_attention_run(plan, &qd[i], &kd[i], &vd[i], mask, &prm, &od, o.lse ? &ld : nullptr,
                                             ws.p, wsb, stream);
+                host.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
                 return last == SPARGE_OK;
               },
               stream, &r.iters);
+          if (!host.empty()) {
+            std::nth_element(host.begin(), host.begin() + host.size() / 2, host.end());
+            r.host_us = host[host.size() / 2];
+          }
           r.sets = nsets;
           if (last != SPARGE_OK) return api_fail(r, last);
           CK(cudaGetLastError());
@@ -546,13 +555,13 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::fprintf(f, "gpu,tag,batch,heads,N,D,causal,mode,precision,density,ms,tops_work,tops_dense_eq,ratio_own_dense,"
-                    "iters,input_sets,target,note\n");
+                    "iters,input_sets,target,note,host_us\n");
     for (const Row& r : rows)
-      std::fprintf(f, "\"%s\",\"%s\",%lld,%lld,%lld,%lld,%d,%s,%s,%.4f,%.4f,%.2f,%.2f,%.4f,%d,%d,\"%s\",\"%s\"\n",
+      std::fprintf(f, "\"%s\",\"%s\",%lld,%lld,%lld,%lld,%d,%s,%s,%.4f,%.4f,%.2f,%.2f,%.4f,%d,%d,\"%s\",\"%s\",%.1f\n",
                    prop.name, o.tag.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.heads),
                    static_cast<long long>(r.N), static_cast<long long>(r.D), r.causal, r.mode.c_str(),
                    r.precision.c_str(), r.density, r.ms, r.tops_work, r.tops_dense, r.ratio, r.iters, r.sets,
-                   r.target.c_str(), r.note.c_str());
+                   r.target.c_str(), r.note.c_str(), r.host_us);
     std::fclose(f);
     std::printf("\nwrote %s\n", o.csv.c_str());
   }
