@@ -19,7 +19,13 @@ def assert_close(out, expect, precision, what="out"):
         np.testing.assert_allclose(out, expect, atol=t["atol"], rtol=t["rtol"], err_msg=what)
     else:
         err = ref.rel_l1(out, expect)
-        assert err <= t["rel_l1"], "%s rel-L1 %.4g > %.4g" % (what, err, t["rel_l1"])
+        bar = t["rel_l1"]
+        if out.size < 1024 and precision.startswith("int8"):
+            # A few output rows carry the e4m3 rounding of P and V without averaging:
+            # Lq=1, two heads of D=32 (64 values) measured rel-L1 up to 0.064 over 8000
+            # seeds (median 0.036), against <= 0.036 for 8K values.
+            bar = 0.09
+        assert err <= bar, "%s rel-L1 %.4g > %.4g" % (what, err, bar)
         if "cos" in t:
             c = ref.cosine(out, expect)
             assert c >= t["cos"], "%s cosine %.6f < %.4f" % (what, c, t["cos"])
