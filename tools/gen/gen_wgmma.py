@@ -75,8 +75,10 @@ def gen_dispatch16():
     for ctype, dt in (("__half", "f16"), ("__nv_bfloat16", "bf16")):
         out.append("template <>")
         out.append(f"struct Wgmma16<{ctype}> {{")
-        out.append("  static __device__ __forceinline__ void ss_m64n128k16(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {")
-        out.append(f"    wgmma_m64n128k16_{dt}_ss(d, a, b, scale_d);")
+        out.append("  template <int N>")
+        out.append("  static __device__ __forceinline__ void ss_m64nNk16(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d) {")
+        out.append(f"    if constexpr (N == 192) wgmma_m64n192k16_{dt}_ss(d, a, b, scale_d);")
+        out.append(f"    else wgmma_m64n128k16_{dt}_ss(d, a, b, scale_d);")
         out.append("  }")
         out.append("  template <int N>")
         out.append("  static __device__ __forceinline__ void rs_tb_m64nNk16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {")
@@ -103,8 +105,9 @@ def main():
         print(gen_rs_e4m3(n))
         print()
     for dt in ("f16", "bf16"):
-        print(gen_ss_16(dt, 128))
-        print()
+        for n in (128, 192):
+            print(gen_ss_16(dt, n))
+            print()
         for n in (64, 128):
             print(gen_rs_16_tb(dt, n))
             print()

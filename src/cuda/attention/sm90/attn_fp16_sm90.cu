@@ -5,12 +5,12 @@
 // blocks listed for it (idx/cnt). Three warpgroups:
 //   WG0  producer: one thread issues TMA loads straight from the caller's
 //        tensors (4-D maps over [B, H, L, D] with their strides; rows past the
-//        end arrive as zeros): Q once, and per step the two listed 64-key
-//        blocks of K and of V into a ring of shared-memory stages guarded by
+//        end arrive as zeros): Q once, and per step the listed 64-key
+//        blocks of K and of V (two at D=128, three at D=64) into a ring of shared-memory stages guarded by
 //        full/empty mbarriers (Q and stage 0 before the CTA-wide barrier);
-//   WG1, WG2  consumers, 64 query rows each, steps of two listed blocks
-//        (128 keys), taking turns to issue their matrix products:
-//        S = Q K^T     wgmma m64n128k16 (HGMMA), both operands in shared
+//   WG1, WG2  consumers, 64 query rows each, steps of two (D=128) or three
+//        (D=64) listed blocks, taking turns to issue their matrix products:
+//        S = Q K^T     wgmma m64n128k16 / m64n192k16 (HGMMA), both operands in shared
 //                      memory, K-major;
 //        online softmax in base 2 on the fp32 scores (row max while the
 //             previous step's P.V runs, then the exponentials);
@@ -21,9 +21,9 @@
 //                      tile TMA wrote; O is rescaled by alpha before the next
 //                      P.V is issued (fp32 accumulation needs no second
 //                      level, unlike the fp8 products).
-// Numerics: docs/SEMANTICS.md (FP16), with steps of two listed tiles as in
-// INT8_FP8 (the portable kernel steps one tile at a time; both are checked
-// against float64 in the GPU tests).
+// Numerics: docs/SEMANTICS.md (FP16), with steps of two or three listed tiles
+// (the portable kernel steps one tile at a time; both are checked against
+// float64 in the GPU tests).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -47,18 +47,26 @@ namespace {
 constexpr int kThreads = 384;
 constexpr int kBQ = 128;    // query rows per CTA (= mask block rows)
 constexpr int kBK = 64;     // keys per listed block (= mask block cols)
-constexpr int kKeys = 128;  // keys per step: two listed blocks
+// Listed blocks per step: two at D=128 (the register budget: S 64 + O 64 + P 32
+// per thread), three at D=64 (S 96 + O 32 + P 48), where the step's fixed costs
+// weigh more against the smaller matrix products.
+template <int D>
+struct StepBlocks {
+  static constexpr int value = (D == 64) ? 3 : 2;
+};
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 
 // Shared memory. Every operand tile is stored as column blocks of 64
 // elements (128 bytes per row, 128B swizzle, as TMA writes it):
 //   Q      [D/64][128 rows][64]         K-major A operand
-//   K (s)  [D/64][128 keys][64]         K-major B operand of Q K^T; block hh of
+//   K (s)  [D/64][kKeys][64]            K-major B operand of Q K^T; block hh of
 //                                       the step fills keys 64hh..64hh+63
-//   V (s)  [D/64][128 keys][64]         MN-major B operand of P V (N = D)
+//   V (s)  [D/64][kKeys][64]            MN-major B operand of P V (N = D)
 template <int D>
 struct Layout16 {
+  static constexpr int kHalves = StepBlocks<D>::value;
+  static constexpr int kKeys = kHalves * kBK;      // keys per step
   static constexpr int kStages = (D == 128) ? 3 : 4;
   static constexpr int kCols = D / 64;             // 64-element column blocks
   static constexpr int kQCol = kBQ * 128;          // bytes of one Q column block
@@ -96,6 +104,8 @@ template <class T, int D, bool kCausal>
 struct Consumer16 {
   using L = Layout16<D>;
   using Mma = Wgmma16<T>;
+  static constexpr int kHalves = L::kHalves;
+  static constexpr int kKeys = L::kKeys;
   static constexpr int NS = kKeys / 2;  // S accumulator registers per thread
   static constexpr int KS = kKeys / 16;  // k-steps of P.V
   static constexpr int NO = D / 2;       // O accumulator registers per thread
@@ -142,7 +152,7 @@ struct Consumer16 {
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t qoff = (kk / 4) * L::kQCol + (kk % 4) * 32;
       const uint32_t koff = (kk / 4) * L::kKVCol + (kk % 4) * 32;
-      Mma::ss_m64n128k16(s, desc_q + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
+      Mma::template ss_m64nNk16<kKeys>(s, desc_q + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
     }
   }
 
@@ -159,10 +169,11 @@ struct Consumer16 {
   // factors of the previous state.
   // Returns whether any score of the step is masked (uniform over the
   // warpgroup: it depends on the key blocks and the first row only).
-  __device__ __forceinline__ bool row_max(const int (&kb)[2], float& c0, float& c1, float& alpha0, float& alpha1) {
+  __device__ __forceinline__ bool row_max(const int (&kb)[kHalves], float& c0, float& c1, float& alpha0,
+                                          float& alpha1) {
     bool masked_any = false;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
+    for (int hh = 0; hh < kHalves; ++hh) {
       const int key0 = kb[hh] * kBK;
       const bool need_mask =
           (kb[hh] < 0) || (key0 + kBK > p.Lkv) || (kCausal && key0 + kBK - 1 > wg_row_min + diag);
@@ -297,13 +308,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const RowWork w(p);
   const int qb = w.qb, b = w.b, h = w.h, hkv = w.hkv;
-  const int n_steps = w.steps<2>();
+  constexpr int kHalves = L::kHalves;
+  const int n_steps = w.steps<kHalves>();
   // Stage st <- the K and V rows of the step's two blocks (a missing second
   // block loads the first again: finite data, masked scores, same byte count).
-  auto load_stage = [&](int st, const int (&kbh)[2]) {
+  auto load_stage = [&](int st, const int (&kbh)[kHalves]) {
     mbar_arrive_expect_tx(&ring.full[st], 2 * L::kKVBytes);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
+    for (int hh = 0; hh < kHalves; ++hh) {
       const int kb = kbh[hh] >= 0 ? kbh[hh] : kbh[0];
 #pragma unroll
       for (int cb = 0; cb < L::kCols; ++cb) {
@@ -316,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    start_ring<kStages, 2>(
+    start_ring<kStages, kHalves>(
         w, p.nKB, n_steps, ring.full, ring.empty, ring.qbar,
         [&] {
           mbar_arrive_expect_tx(ring.qbar, L::kQBytes);
@@ -330,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     regs_dealloc<kProducerRegs>();
-    if (threadIdx.x == 0) produce<kStages, 2>(w, n_steps, ring.empty, load_stage);
+    if (threadIdx.x == 0) produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
     return;
   }
 
@@ -347,7 +359,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (me == 1) turn_end(0);  // warpgroup 0 goes first
     uint32_t pa[C::KS][4];
     float c0, c1, al0, al1;
-    int kb[2] = {w.block<2>(0, 0), w.block<2>(0, 1)};
+    int kb[kHalves];
+    auto blocks = [&](int u) {
+#pragma unroll
+      for (int hh = 0; hh < kHalves; ++hh) kb[hh] = w.block<kHalves>(u, hh);
+    };
+    blocks(0);
     mbar_wait(&ring.full[0], 0);
     {
       const uint64_t dk = c.desc_k(0);
@@ -364,8 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int st = u % kStages, sp = (u - 1) % kStages;
       mbar_wait(&ring.full[st], (u / kStages) & 1);
       const uint64_t dk = c.desc_k(st), dv = c.desc_v(sp);
-      kb[0] = w.block<2>(u, 0);
-      kb[1] = w.block<2>(u, 1);
+      blocks(u);
       turn_begin(me);
       c.issue_qk(dk);
       wgmma_commit();
