@@ -47,6 +47,7 @@ namespace {
 constexpr int kThreads = 384;
 constexpr int kBQ = 128;    // query rows per CTA (= mask block rows)
 constexpr int kBK = 64;     // keys per listed block (= mask block cols)
+static_assert(kBQ == kGpuBlockQ && kBK == kGpuBlockK, "the tensor-map boxes and the expected bytes must agree");
 // Listed blocks per step: two at D=128 (the register budget: S 64 + O 64 + P 32
 // per thread), three at D=64 (S 96 + O 32 + P 48), where the step's fixed costs
 // weigh more against the smaller matrix products.
@@ -411,6 +412,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive(&ring.empty[sp]);
   }
   c.epilogue();
+#else
+  __trap();  // built for another architecture: the dispatcher must not launch this
 #endif
 }
 
@@ -436,14 +439,28 @@ sparge_status_t dispatch16(int64_t D, bool causal, const CUtensorMap& tq, const 
                 : launch16<T, 64, false>(tq, tk, tv, prm, grid, stream);
 }
 
-// SPARGE_FP16_KERNEL=portable selects the mma.sync kernel on sm_90 too (a
-// developer switch for A/B measurements, read once).
-bool sm90_fp16_enabled() {
-  static const bool on = [] {
+// SPARGE_FP16_KERNEL (developer switch, read once): `portable` selects the
+// mma.sync kernel on sm_90 too (A/B measurements); `sm90` makes a call that the
+// sm_90a kernel cannot take an error instead of a silent fallback (the GPU
+// test script sets it, so the tests prove which kernel they ran).
+enum class Fp16Choice { kAuto, kPortable, kSm90Only };
+Fp16Choice fp16_choice() {
+  static const Fp16Choice c = [] {
     const char* e = std::getenv("SPARGE_FP16_KERNEL");
-    return !(e != nullptr && std::strcmp(e, "portable") == 0);
+    if (e != nullptr && std::strcmp(e, "portable") == 0) return Fp16Choice::kPortable;
+    if (e != nullptr && std::strcmp(e, "sm90") == 0) return Fp16Choice::kSm90Only;
+    return Fp16Choice::kAuto;
   }();
-  return on;
+  return c;
+}
+
+// The sm_90a kernel does not take the call: fall back to the portable kernel,
+// or fail when SPARGE_FP16_KERNEL=sm90 asks for the sm_90a kernel only.
+sparge_status_t decline(const char* why) {
+  if (fp16_choice() == Fp16Choice::kSm90Only)
+    return fail(SPARGE_ERR_UNSUPPORTED, "fp16 attention: the sm_90a kernel does not apply (%s) and "
+                "SPARGE_FP16_KERNEL=sm90 forbids the portable fallback", why);
+  return SPARGE_OK;
 }
 
 }  // namespace
@@ -452,25 +469,27 @@ bool sm90_fp16_enabled() {
 sparge_status_t launch_attention_sm90_fp16(const AttnArgs& a, cudaStream_t stream, bool* launched) {
   *launched = false;
   const Problem& pb = a.prob;
-  if (!sm90::sm90_fp16_enabled()) return SPARGE_OK;
-  if ((pb.D != 64 && pb.D != 128) || pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK) return SPARGE_OK;
-  if (pb.dtype != SPARGE_DTYPE_FLOAT16 && pb.dtype != SPARGE_DTYPE_BFLOAT16) return SPARGE_OK;
+  if (sm90::fp16_choice() == sm90::Fp16Choice::kPortable) return SPARGE_OK;
+  if ((pb.D != 64 && pb.D != 128) || pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK) return sm90::decline("shape");
+  if (pb.dtype != SPARGE_DTYPE_FLOAT16 && pb.dtype != SPARGE_DTYPE_BFLOAT16) return sm90::decline("dtype");
+  // Key and row indices are 32-bit in the kernel (key0 + 64 must not overflow);
+  // the portable kernel has the same limit and reports it.
   const int64_t rows = pb.B * pb.Hq * pb.nQB;
-  if (rows >= (int64_t(1) << 31) || pb.Lq >= (int64_t(1) << 31) || pb.Lkv >= (int64_t(1) << 31)) return SPARGE_OK;
+  if (rows >= (int64_t(1) << 31) || pb.Lq > 0x3fffffffLL || pb.Lkv > 0x3fffffffLL) return sm90::decline("size");
   if (rows == 0) {
     *launched = true;
     return SPARGE_OK;
   }
   sm90::EncodeTiledFn enc = nullptr;
-  SPARGE_TRY(sm90::get_encode_fn(&enc));
+  if (sm90::get_encode_fn(&enc) != SPARGE_OK) return sm90::decline("no cuTensorMapEncodeTiled in the driver");
   const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
   CUtensorMap tq, tk, tv;
-  // A layout TMA cannot express (e.g. a zero stride) leaves the call to the
+  // Strides TMA cannot express (e.g. L rows that overlap) leave the call to the
   // portable kernel.
   if (sm90::make_map_bhld16(enc, &tq, a.q.data, bf16, a.q.shape, a.q.stride, kGpuBlockQ) != CUDA_SUCCESS ||
       sm90::make_map_bhld16(enc, &tk, a.k.data, bf16, a.k.shape, a.k.stride, kGpuBlockK) != CUDA_SUCCESS ||
       sm90::make_map_bhld16(enc, &tv, a.v.data, bf16, a.v.shape, a.v.stride, kGpuBlockK) != CUDA_SUCCESS)
-    return SPARGE_OK;
+    return sm90::decline("a tensor map for these strides");
   sm90::RowParams prm{};
   sm90::fill_row_params(a, &prm);
   const unsigned grid = static_cast<unsigned>(rows);

@@ -594,6 +594,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   c.epilogue(reinterpret_cast<const float*>(ring.base + L::kVScale));
+#else
+  __trap();  // built for another architecture: the dispatcher must not launch this
 #endif
 }
 

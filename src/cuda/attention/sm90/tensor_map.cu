@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "core/error.hpp"
@@ -45,14 +46,18 @@ sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, bool bf16, const int64_t (&shape)[4],
                          const int64_t (&stride)[4], uint32_t box_rows) {
   // TMA dimensions innermost first: D, L, H, B. The stride of an extent-1
-  // dimension is never used; any valid value (16 bytes) stands in for it.
+  // dimension is never used; the packed value (the span of the dimensions
+  // inside it) stands in for it, which satisfies every rule the encoder has
+  // for strides.
   const int order[3] = {2, 1, 0};
   cuuint64_t dims[4] = {cuuint64_t(shape[3]), 0, 0, 0};
   cuuint64_t strides[3];
+  cuuint64_t span = cuuint64_t(shape[3]) * 2;  // bytes covered by the dimensions inside
   for (int i = 0; i < 3; ++i) {
     const int d = order[i];
     dims[i + 1] = cuuint64_t(shape[d]);
-    strides[i] = (shape[d] == 1) ? cuuint64_t(16) : cuuint64_t(stride[d]) * 2;
+    strides[i] = (shape[d] == 1) ? span : cuuint64_t(stride[d]) * 2;
+    span = std::max(span, strides[i] * dims[i + 1]);
   }
   const cuuint32_t box[4] = {64, box_rows, 1, 1};
   const cuuint32_t estr[4] = {1, 1, 1, 1};
