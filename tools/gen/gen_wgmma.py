@@ -11,61 +11,53 @@ def regs(prefix, n, start=0):
     return ", ".join(f"%{start + i}" for i in range(n))
 
 
-def gen_ss_s8(n):
-    # D(s32, m64 x n) (+)= A(s8 smem) * B(s8 smem)^T, both K-major.
+def gen_wrapper(name, ptx_shape_types, n, a_in_registers, acc, trailing):
+    """One wrapper: D(m64 x n, `acc` registers) (+)= A * B.
+
+    A comes from four 32-bit registers (a_in_registers) or a shared-memory
+    descriptor; B always from a descriptor. `trailing` are the immediate
+    operands after the scale-d predicate (scale-a, scale-b, transposes)."""
     nreg = n // 2
-    out = [f"__device__ __forceinline__ void wgmma_m64n{n}k32_s8s8(int32_t (&d)[{nreg}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{"]
+    ctype, constraint = ("int32_t", "+r") if acc == "s32" else ("float", "+f")
+    if a_in_registers:
+        a_param, a_ops = "const uint32_t (&a)[4]", f"{{%{nreg}, %{nreg + 1}, %{nreg + 2}, %{nreg + 3}}}"
+        b_op, pred = nreg + 4, nreg + 5
+        ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
+    else:
+        a_param, a_ops = "uint64_t desc_a", f"%{nreg}"
+        b_op, pred = nreg + 1, nreg + 2
+        ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
+    imms = "".join(f", {x}" for x in trailing)
+    out = [f"__device__ __forceinline__ void {name}({ctype} (&d)[{nreg}], {a_param}, uint64_t desc_b, int scale_d) {{"]
     out.append("  asm volatile(")
-    out.append('      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nreg + 2) + ', 0;\\n"')
-    out.append(f'      "wgmma.mma_async.sync.aligned.m64n{n}k32.s32.s8.s8 {{{regs("d", nreg)}}}, %{nreg}, %{nreg + 1}, p;\\n}}\\n"')
-    outs = ", ".join(f'"+r"(d[{i}])' for i in range(nreg))
+    out.append('      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(pred) + ', 0;\\n"')
+    out.append(f'      "wgmma.mma_async.sync.aligned.{ptx_shape_types} {{{regs("d", nreg)}}}, {a_ops}, %{b_op}, p{imms};\\n}}\\n"')
+    outs = ", ".join(f'"{constraint}"(d[{i}])' for i in range(nreg))
     out.append(f"      : {outs}")
-    out.append('      : "l"(desc_a), "l"(desc_b), "r"(scale_d));')
+    out.append(f"      : {ins});")
     out.append("}")
     return "\n".join(out)
+
+
+def gen_ss_s8(n):
+    # D(s32, m64 x n) (+)= A(s8 smem) * B(s8 smem)^T, both K-major.
+    return gen_wrapper(f"wgmma_m64n{n}k32_s8s8", f"m64n{n}k32.s32.s8.s8", n, False, "s32", [])
 
 
 def gen_rs_e4m3(n):
     # D(f32, m64 x n) (+)= A(e4m3 registers) * B(e4m3 smem, K-major).
-    nreg = n // 2
-    out = [f"__device__ __forceinline__ void wgmma_m64n{n}k32_e4m3_rs(float (&d)[{nreg}], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {{"]
-    out.append("  asm volatile(")
-    out.append('      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nreg + 5) + ', 0;\\n"')
-    out.append(f'      "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs("d", nreg)}}}, {{%{nreg}, %{nreg + 1}, %{nreg + 2}, %{nreg + 3}}}, %{nreg + 4}, p, 1, 1;\\n}}\\n"')
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nreg))
-    out.append(f"      : {outs}")
-    out.append('      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));')
-    out.append("}")
-    return "\n".join(out)
+    return gen_wrapper(f"wgmma_m64n{n}k32_e4m3_rs", f"m64n{n}k32.f32.e4m3.e4m3", n, True, "f32", [1, 1])
 
 
 def gen_ss_16(dt, n):
     # D(f32, m64 x n) (+)= A(16-bit smem, K-major) * B(16-bit smem, K-major)^T.
-    nreg = n // 2
-    out = [f"__device__ __forceinline__ void wgmma_m64n{n}k16_{dt}_ss(float (&d)[{nreg}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{"]
-    out.append("  asm volatile(")
-    out.append('      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nreg + 2) + ', 0;\\n"')
-    out.append(f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} {{{regs("d", nreg)}}}, %{nreg}, %{nreg + 1}, p, 1, 1, 0, 0;\\n}}\\n"')
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nreg))
-    out.append(f"      : {outs}")
-    out.append('      : "l"(desc_a), "l"(desc_b), "r"(scale_d));')
-    out.append("}")
-    return "\n".join(out)
+    return gen_wrapper(f"wgmma_m64n{n}k16_{dt}_ss", f"m64n{n}k16.f32.{dt}.{dt}", n, False, "f32", [1, 1, 0, 0])
 
 
 def gen_rs_16_tb(dt, n):
     # D(f32, m64 x n) (+)= A(16-bit registers) * B(16-bit smem, MN-major: the
     # K x N operand stored with N contiguous, i.e. transposed).
-    nreg = n // 2
-    out = [f"__device__ __forceinline__ void wgmma_m64n{n}k16_{dt}_rs_tb(float (&d)[{nreg}], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {{"]
-    out.append("  asm volatile(")
-    out.append('      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nreg + 5) + ', 0;\\n"')
-    out.append(f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} {{{regs("d", nreg)}}}, {{%{nreg}, %{nreg + 1}, %{nreg + 2}, %{nreg + 3}}}, %{nreg + 4}, p, 1, 1, 1;\\n}}\\n"')
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nreg))
-    out.append(f"      : {outs}")
-    out.append('      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));')
-    out.append("}")
-    return "\n".join(out)
+    return gen_wrapper(f"wgmma_m64n{n}k16_{dt}_rs_tb", f"m64n{n}k16.f32.{dt}.{dt}", n, True, "f32", [1, 1, 1])
 
 
 def gen_dispatch16():
