@@ -283,6 +283,27 @@ __device__ __forceinline__ uint2 quant8(const float (&x)[8], float a) {
   return o;
 }
 
+// Eight consecutive floats (two 16-byte loads; p 16-byte aligned).
+__device__ __forceinline__ void load_f8(const float* p, float (&x)[8]) {
+  const float4* p4 = reinterpret_cast<const float4*>(p);
+  const float4 a = p4[0], b = p4[1];
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+  x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+// A thread's share of a block of rows of one (b, h): rows row0 + it*RPI + lr,
+// elements cg*8 .. cg*8+7; rows at or past `rows` read as zeros.
+template <int ITER, int RPI, class T, bool VEC>
+__device__ __forceinline__ void load_rows8(const Tensor4& t, uint32_t b, uint32_t h, int64_t row0, int lr, int cg,
+                                           int64_t rows, uint4 (&raw)[ITER]) {
+  const T* base = static_cast<const T*>(t.data);
+#pragma unroll
+  for (int it = 0; it < ITER; ++it) {
+    const int64_t row = row0 + it * RPI + lr;
+    raw[it] = row < rows ? load8_raw<VEC>(base + t.offset(b, h, row, cg * 8)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // ---------------------------------------------------------------- Q pass
 struct QArgs {
   Tensor4 q;
@@ -307,23 +328,13 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
   const uint32_t b = bh / uint32_t(a.Hq), h = bh % uint32_t(a.Hq), bhk = b * uint32_t(a.Hkv) + h / uint32_t(a.group);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
   const int64_t row0 = qb * kGpuBlockQ;
-  const T* qp = static_cast<const T*>(a.q.data);
 
   uint4 raw[ITER];
-#pragma unroll
-  for (int it = 0; it < ITER; ++it) {
-    const int64_t row = row0 + it * RPI + lr;
-    raw[it] = row < a.Lq ? load8_raw<VEC>(qp + a.q.offset(b, h, row, cg * 8)) : make_uint4(0, 0, 0, 0);
-  }
+  load_rows8<ITER, RPI, T, VEC>(a.q, b, h, row0, lr, cg, a.Lq, raw);
   float mu[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) mu[c] = 0.f;
-  if (a.quant && a.smooth) {
-    const float4* m4 = reinterpret_cast<const float4*>(a.k_mean + bhk * D + cg * 8);
-    const float4 m0 = m4[0], m1 = m4[1];
-    mu[0] = m0.x, mu[1] = m0.y, mu[2] = m0.z, mu[3] = m0.w;
-    mu[4] = m1.x, mu[5] = m1.y, mu[6] = m1.z, mu[7] = m1.w;
-  }
+  if (a.quant && a.smooth) load_f8(a.k_mean + bhk * D + cg * 8, mu);
 
   float ps[8], us[8];
 #pragma unroll
@@ -382,23 +393,13 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
   const int64_t row0 = kb * kGpuBlockK;
-  const T* kp = static_cast<const T*>(a.k.data);
 
   uint4 raw[ITER];
-#pragma unroll
-  for (int it = 0; it < ITER; ++it) {
-    const int64_t row = row0 + it * RPI + lr;
-    raw[it] = row < a.Lkv ? load8_raw<VEC>(kp + a.k.offset(b, hk, row, cg * 8)) : make_uint4(0, 0, 0, 0);
-  }
+  load_rows8<ITER, RPI, T, VEC>(a.k, b, hk, row0, lr, cg, a.Lkv, raw);
   float mu[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) mu[c] = 0.f;
-  if (a.smooth) {
-    const float4* m4 = reinterpret_cast<const float4*>(a.k_mean + bhk * D + cg * 8);
-    const float4 m0 = m4[0], m1 = m4[1];
-    mu[0] = m0.x, mu[1] = m0.y, mu[2] = m0.z, mu[3] = m0.w;
-    mu[4] = m1.x, mu[5] = m1.y, mu[6] = m1.z, mu[7] = m1.w;
-  }
+  if (a.smooth) load_f8(a.k_mean + bhk * D + cg * 8, mu);
 
   float x[ITER][8];
   float ps[8], pe[8], us[8];
@@ -477,9 +478,8 @@ __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
   float inv[8];
   bool nz[8];
   {
-    const float4* m4 = reinterpret_cast<const float4*>(a.v_amax + bhk * D + c0);
-    const float4 m0 = m4[0], m1 = m4[1];
-    const float am[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+    float am[8];
+    load_f8(a.v_amax + bhk * D + c0, am);
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       nz[c] = am[c] > 0.f;
