@@ -112,7 +112,7 @@ struct Consumer16 {
   static constexpr int NO = D / 2;       // O accumulator registers per thread
 
   const RowParams& p;
-  const int cw, quad, bh, b, h, row0, row1, wg_row_min, diag;
+  const int cw, quad, b, h, row0, row1, wg_row_min, diag;
   const uint8_t* sk;
   const uint8_t* sv;
   uint64_t desc_q;
@@ -120,17 +120,16 @@ struct Consumer16 {
   float s[NS];
   float o[NO];
 
-  __device__ Consumer16(const RowParams& p_, int cw_, int tid, int bh_, int qb, const uint8_t* sq, const uint8_t* sk_,
+  __device__ Consumer16(const RowParams& p_, int cw_, int tid, const RowWork& w, const uint8_t* sq, const uint8_t* sk_,
                         const uint8_t* sv_)
       : p(p_),
         cw(cw_),
         quad(tid & 3),
-        bh(bh_),
-        b(bh_ / p_.Hq),
-        h(bh_ - (bh_ / p_.Hq) * p_.Hq),
-        row0(qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
-        row1(qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
-        wg_row_min(qb * kBQ + cw_ * 64),
+        b(w.b),
+        h(w.h),
+        row0(w.qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
+        row1(w.qb * kBQ + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
+        wg_row_min(w.qb * kBQ + cw_ * 64),
         diag(p_.Lkv - p_.Lq),
         sk(sk_),
         sv(sv_) {
@@ -349,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // -------------------------------------------------------------- consumers
   regs_alloc<kConsumerRegs>();
-  C c(p, wg - 1, threadIdx.x - 128 * wg, w.bh, qb, sq, sk, sv);
+  C c(p, wg - 1, threadIdx.x - 128 * wg, w, sq, sk, sv);
   mbar_wait(ring.qbar, 0);
   if (n_steps > 0) {
     const int me = c.cw, other = c.cw ^ 1;
