@@ -409,6 +409,25 @@ int main(int argc, char** argv) {
           nan_check(r);
         };
 
+        // One random-mask row of density d: its ratio and its (d + 0.05) target
+        // against `dense_ref` ms (the same precision's dense time).
+        auto sparse_row = [&](sparge_plan_t plan, size_t wsb, const char* precision, double d, double dense_ref) {
+          Row r;
+          char name[16];
+          std::snprintf(name, sizeof name, "d%g", d);
+          r.mode = name, r.precision = precision;
+          Buf m = make_mask(d, &r.density);
+          const sparge_tensor_t mdd = desc(m.p, SPARGE_DTYPE_UINT8, 4, msh, mst);
+          run_attn(plan, &mdd, r, wsb);
+          if (std::isfinite(r.ms) && std::isfinite(dense_ref)) {
+            r.ratio = r.ms / dense_ref;
+            char t[64];
+            std::snprintf(t, sizeof t, "<=%.2f %s", r.density + 0.05, r.ratio <= r.density + 0.05 ? "ok" : "MISS");
+            r.target = t;
+          }
+          emit(r);
+        };
+
         // int8_fp8 dense first: the reference of the ratio column.
         if (plan8) {
           double got = 1;
@@ -424,19 +443,7 @@ int main(int argc, char** argv) {
           for (double d : {0.5, 0.2, 0.1}) {
             char name[16];
             std::snprintf(name, sizeof name, "d%g", d);
-            if (!has(name)) continue;
-            Row r;
-            r.mode = name, r.precision = "int8_fp8";
-            Buf m = make_mask(d, &r.density);
-            const sparge_tensor_t mdd = desc(m.p, SPARGE_DTYPE_UINT8, 4, msh, mst);
-            run_attn(plan8, &mdd, r, w8);
-            if (std::isfinite(r.ms) && std::isfinite(dense_ms)) {
-              const double bound = r.density + 0.05;
-              char t[64];
-              std::snprintf(t, sizeof t, "<=%.2f %s", bound, r.ms / dense_ms <= bound ? "ok" : "MISS");
-              r.target = t;
-            }
-            emit(r);
+            if (has(name)) sparse_row(plan8, w8, "int8_fp8", d, dense_ms);
           }
           if (has("predict") || has("pred+attn")) {
             Buf pm(static_cast<size_t>(B * H * nQB * nKB)), kept(static_cast<size_t>(B * H) * 4);
@@ -514,23 +521,7 @@ int main(int argc, char** argv) {
         if (has("fp16") || has("fp16sparse")) dense_other(plan16, w16, e16, "fp16");
         if (has("fp16sparse") && plan16) {
           const double dense16 = rows.back().ms;
-          for (double d : {0.5, 0.2, 0.1}) {
-            Row r;
-            r.precision = "fp16";
-            char name[16];
-            std::snprintf(name, sizeof name, "d%g", d);
-            r.mode = name;
-            Buf m = make_mask(d, &r.density);
-            const sparge_tensor_t mdd = desc(m.p, SPARGE_DTYPE_UINT8, 4, msh, mst);
-            run_attn(plan16, &mdd, r, w16);
-            if (std::isfinite(r.ms) && std::isfinite(dense16)) {
-              r.ratio = r.ms / dense16;  // against fp16-mode dense
-              char t[64];
-              std::snprintf(t, sizeof t, "<=%.2f %s", r.density + 0.05, r.ratio <= r.density + 0.05 ? "ok" : "MISS");
-              r.target = t;
-            }
-            emit(r);
-          }
+          for (double d : {0.5, 0.2, 0.1}) sparse_row(plan16, w16, "fp16", d, dense16);
         }
         if (has("splitv")) dense_other(plan_sv, wsv, esv, "int8_fp8_split_v");
         sparge_destroy_plan(plan8);
