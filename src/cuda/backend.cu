@@ -109,7 +109,8 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   DeviceGuard guard;
   SPARGE_TRY(guard.enter(plan.prob.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true));
+  SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
+                          /*lse_shift=*/false));
   SPARGE_TRY(launch_select(plan, cfg, mask_out, kept, workspace, s));
   return SPARGE_OK;
 }
@@ -128,9 +129,11 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   // predicted here.
   const bool predict_here = (mask == nullptr);
   if (int8)
-    SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true, /*pool=*/predict_here));
+    SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true, /*pool=*/predict_here,
+                            /*lse_shift=*/lse != nullptr));
   else if (predict_here)
-    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true));
+    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
+                            /*lse_shift=*/false));
 
   if (mask == nullptr) {
     const MaskView wm = workspace_mask(p, workspace, L.mask);

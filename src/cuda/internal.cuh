@@ -51,11 +51,9 @@ __host__ __device__ __forceinline__ int perm32(int kk) {
 }
 
 // --- preparation (src/cuda/predict/) -------------------------------------
-// K column mean (when cfg.smooth_k), V column max|.| (when want_v), Q/K int8
-// quantization with pooled means and self-similarities, q_mu, and (want_v) the
+// prepare_impl (cuda/predict/predict.cuh): K column mean, V column max|.|,
+// Q/K int8 quantization with pooled means and self-similarities, q_mu, the
 // fp8 V^T. Fills the corresponding workspace regions.
-sparge_status_t launch_prepare(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
-                               const PredictConfig& cfg, void* ws, cudaStream_t stream);
 // Pooled scores, softmax, selection, forced blocks -> uint8 mask (any strides) and kept counts.
 sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
                               const KeptView* kept, void* ws, cudaStream_t stream);

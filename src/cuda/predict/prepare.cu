@@ -311,6 +311,7 @@ struct QArgs {
   float scale;
   bool smooth, quant;
   bool pool;            // pooled mean and self-similarity (for the mask prediction)
+  bool lse_shift;       // q_mu (only the LSE output reads it)
   const float* k_mean;  // [B*Hkv, D]
   float* pooled_q;      // [B*Hq, nQB, D]
   float* sim_q;         // [B*Hq, nQB]
@@ -334,7 +335,8 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
   float mu[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) mu[c] = 0.f;
-  if (a.quant && a.smooth) load_f8(a.k_mean + bhk * D + cg * 8, mu);
+  const bool shift = a.quant && a.lse_shift;
+  if (shift && a.smooth) load_f8(a.k_mean + bhk * D + cg * 8, mu);
 
   float ps[8], us[8];
 #pragma unroll
@@ -348,19 +350,18 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
     if (a.pool) pool_row<TPR>(x, ps, us);
     if (a.quant) {
       float am = 0.f;
-      double dm = 0.0;  // q . mu in float64 (the LSE shift), as the CPU reference
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        am = fmaxf(am, fabsf(x[c]));
-        dm += double(x[c]) * double(mu[c]);
-      }
+      for (int c = 0; c < 8; ++c) am = fmaxf(am, fabsf(x[c]));
       am = group_max<TPR>(am);
-      dm = group_sum<TPR>(dm);
       const int64_t prow = bh * lq_pad + row;
       *reinterpret_cast<uint2*>(a.q_i8 + prow * D + cg * 8) = quant8(x, am);
-      if (cg == 0) {
-        a.q_scale[prow] = am / 127.f;
-        a.q_mu[prow] = row < a.Lq ? float(double(a.scale) * dm) : 0.f;
+      if (cg == 0) a.q_scale[prow] = am / 127.f;
+      if (shift) {
+        double dm = 0.0;  // q . mu in float64 (the LSE shift), as the CPU reference
+#pragma unroll
+        for (int c = 0; c < 8; ++c) dm += double(x[c]) * double(mu[c]);
+        dm = group_sum<TPR>(dm);
+        if (cg == 0) a.q_mu[prow] = row < a.Lq ? float(double(a.scale) * dm) : 0.f;
       }
     }
   }
@@ -558,7 +559,8 @@ void dispatch_pass(const Problem& p, bool vec, F&& f) {
 }
 
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
-                             const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool) {
+                             const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
+                             bool lse_shift) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
@@ -617,7 +619,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.q = q;
     qa.Hq = p.Hq, qa.Hkv = p.Hkv, qa.group = p.group(), qa.Lq = p.Lq, qa.nQB = p.nQB;
     qa.scale = p.scale;
-    qa.smooth = do_k, qa.quant = quant, qa.pool = pool;
+    qa.smooth = do_k, qa.quant = quant, qa.pool = pool, qa.lse_shift = lse_shift;
     qa.k_mean = k_mean;
     qa.pooled_q = ws_ptr<float>(base, L.pooled_q);
     qa.sim_q = ws_ptr<float>(base, L.sim_q);
@@ -668,11 +670,6 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     SPARGE_LAUNCH_CHECK("sparge V pass kernel");
   }
   return SPARGE_OK;
-}
-
-sparge_status_t launch_prepare(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
-                               const PredictConfig& cfg, void* ws, cudaStream_t stream) {
-  return prepare_impl(plan, q, k, v, cfg, ws, stream, /*quantize=*/true, /*pool=*/true);
 }
 
 }  // namespace cuda

@@ -48,6 +48,19 @@ constexpr int kBK = 64;   // keys per tile (= mask block cols)
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 constexpr int kVScaleBar = 3;  // named barrier 3: the V scales in shared memory are ready
+// Every poly_exp2_every<D>()-th exponential of the softmax is computed by
+// poly_exp2 on the FMA pipe instead of MUFU.EX2 (0: none). H200 A/B
+// (docs/PERF-NOTES.md v24): every 4th at D = 64, -2.5..-3.1 % dense (causal
+// -1 %); at D = 128 every 8th / 4th / 2nd cost +5 / +5 / +14 %, so none.
+// -DSPARGE_SM90_POLY_EXP2_EVERY=n overrides both at build time (A/B runs).
+template <int D>
+constexpr int poly_exp2_every() {
+#ifdef SPARGE_SM90_POLY_EXP2_EVERY
+  return SPARGE_SM90_POLY_EXP2_EVERY;
+#else
+  return D == 64 ? 4 : 0;
+#endif
+}
 
 // Consumer schedules (see docs/KERNELS-SM90.md):
 //   kWide       (default, the specified rounding) 128 keys per step: two
@@ -108,6 +121,7 @@ struct Consumer {
   static constexpr uint32_t kSboQK = 8 * D;   // 8 rows of D int8 bytes
   static constexpr uint32_t kSboV = 8 * kBK;  // 8 channels of 64 fp8 bytes
   static constexpr int NO = D / 2;            // O accumulator registers per thread
+  static constexpr int kPolyExp2Every = poly_exp2_every<D>();
 
   const Params& p;
   const int cw, quad, bh, b, h, bhkv, row0, row1, wg_row_min, diag;
@@ -307,7 +321,12 @@ struct Consumer {
           // the quarter-rate pipe I2FP shares with MUFU is the busier; H200 A/B:
           // I2FP -2.4 % time at D = 64, +1 % at D = 128). Both are exact.
           const float sj = (D == 64) ? __int2float_rn(acc[j]) : small_int_to_float(acc[j]);
-          float pj = fast_exp2(fmaf(sj, (j & 2) ? st.f1[hh] : st.f0[hh], (j & 2) ? st.c1 : st.c0));
+          const float xj = fmaf(sj, (j & 2) ? st.f1[hh] : st.f0[hh], (j & 2) ? st.c1 : st.c0);
+          // One exponential in kPolyExp2Every on the FMA pipe (poly_exp2).
+          // (jj is a constant after unrolling, so this selects code, not data.)
+          constexpr int kEvery = kPolyExp2Every > 0 ? kPolyExp2Every : 1;
+          const bool poly = kPolyExp2Every > 0 && jj % kEvery == kEvery - 1;
+          float pj = poly ? poly_exp2(xj) : fast_exp2(xj);
           if constexpr (decltype(masked)::value) {
             if (acc[j] == kMasked) pj = 0.f;
           }
