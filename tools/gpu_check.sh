@@ -32,6 +32,7 @@
 #   GPU_CHECK_PINGPONG (1; 0 skips the pingpong A/B in bench)
 #   GPU_CHECK_FP16AB (1; 0 skips the portable FP16-mode kernel A/B in bench)
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
+#   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
 #
 # Files written to $OUT (10 at most): build.log test.log sanitize.log bench.log
@@ -41,7 +42,7 @@ set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # Kernel choice is set per stage below, never inherited.
-unset SPARGE_FP16_KERNEL SPARGE_SM90_SCHEDULE
+unset SPARGE_FP16_KERNEL SPARGE_SM90_SCHEDULE SPARGE_SM90_EPILOGUE
 ROOT=$PWD
 BUILD=${BUILD_DIR:-build-gpu}
 OUTDIR=${OUT:-$ROOT/gpu_check_out}
@@ -166,6 +167,14 @@ if want test; then
         -r compact
       rc=$?
       ((rc != 0 && rc != 77)) && fails+=("portable fp16 rc=$rc")
+    fi
+    # The sm_90a kernels' direct-store epilogue (outputs whose strides no tensor
+    # map expresses, and SPARGE_SM90_EPILOGUE=direct) on the attention cases.
+    if [ "${GPU_CHECK_DIRECT_EPILOGUE:-1}" != 0 ]; then
+      run_to "$LOG/test.log" "$(allow 120)" env SPARGE_SM90_EPILOGUE=direct SPARGE_FP16_KERNEL=sm90 "$GPU_TESTS" \
+        '[attention]~[large]' -r compact
+      rc=$?
+      ((rc != 0 && rc != 77)) && fails+=("direct epilogue rc=$rc")
     fi
     acc=$(grep -c '^ACC .* FAIL$' "$LOG/test.log")
     tot=$(grep -c '^ACC ' "$LOG/test.log")

@@ -263,24 +263,31 @@ struct Consumer16 {
     for (int j = 0; j < NO; ++j) o[j] *= (j & 2) ? alpha1 : alpha0;
   }
 
-  __device__ __forceinline__ void epilogue() {
+  // With p.tma_store the tile goes out by TMA through `stage`: this
+  // warpgroup's rows of the Q tile (64 rows x 128 bytes per 64-column block,
+  // blocks kQCol apart, the output box's swizzled layout), free once the
+  // warpgroup's last Q.K^T has completed. Else direct 4-byte stores.
+  __device__ __forceinline__ void epilogue(uint8_t* stage, const CUtensorMap* tm_o, int tid) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
     const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+    auto pair = [&](int c, int half) -> uint32_t {
+      const float inv = half ? inv1 : inv0;
+      return pack16<T>(o[c * 4 + 2 * half] * inv, o[c * 4 + 2 * half + 1] * inv);
+    };
+    if (p.tma_store) store_tile_tma<D>(stage, L::kQCol, tm_o, cw, tid, wg_row_min, h, b, pair);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = half ? row1 : row0;
       if (row >= p.Lq) continue;
-      const float inv = half ? inv1 : inv0;
-      T* orow = static_cast<T*>(p.out) + int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] +
-                int64_t(row) * p.out_stride[2];
+      if (!p.tma_store) {
+        T* orow = static_cast<T*>(p.out) + int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] +
+                  int64_t(row) * p.out_stride[2];
 #pragma unroll
-      for (int c = 0; c < D / 8; ++c) {
-        const int col = 8 * c + 2 * quad;
-        *reinterpret_cast<uint32_t*>(orow + col) = pack16<T>(o[c * 4 + 2 * half] * inv, o[c * 4 + 2 * half + 1] * inv);
+        for (int c = 0; c < D / 8; ++c) *reinterpret_cast<uint32_t*>(orow + 8 * c + 2 * quad) = pair(c, half);
       }
       if (p.lse != nullptr && quad == 0) {
         const float l = half ? l1 : l0;
@@ -295,7 +302,8 @@ struct Consumer16 {
 template <class T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_fp16_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const RowParams p) {
+                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                          const RowParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout16<D>;
   using C = Consumer16<T, D, kCausal>;
@@ -410,32 +418,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(c.o);
     mbar_arrive(&ring.empty[sp]);
   }
-  c.epilogue();
+  c.epilogue(sq + c.cw * 64 * 128, &tm_o, threadIdx.x - 128 * wg);
 #else
   __trap();  // built for another architecture: the dispatcher must not launch this
 #endif
 }
 
 template <class T, int D, bool kCausal>
-sparge_status_t launch16(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const RowParams& prm,
+sparge_status_t launch16(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const CUtensorMap& to,
+                         const RowParams& prm,
                          unsigned grid, cudaStream_t stream) {
   using L = Layout16<D>;
   static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
   auto kernel = attn_fp16_sm90_kernel<T, D, kCausal>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
-  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, prm);
+  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, to, prm);
   SPARGE_LAUNCH_CHECK("attn_fp16_sm90_kernel");
   return SPARGE_OK;
 }
 
 template <class T>
 sparge_status_t dispatch16(int64_t D, bool causal, const CUtensorMap& tq, const CUtensorMap& tk,
-                           const CUtensorMap& tv, const RowParams& prm, unsigned grid, cudaStream_t stream) {
+                           const CUtensorMap& tv, const CUtensorMap& to, const RowParams& prm, unsigned grid,
+                           cudaStream_t stream) {
   if (D == 128)
-    return causal ? launch16<T, 128, true>(tq, tk, tv, prm, grid, stream)
-                  : launch16<T, 128, false>(tq, tk, tv, prm, grid, stream);
-  return causal ? launch16<T, 64, true>(tq, tk, tv, prm, grid, stream)
-                : launch16<T, 64, false>(tq, tk, tv, prm, grid, stream);
+    return causal ? launch16<T, 128, true>(tq, tk, tv, to, prm, grid, stream)
+                  : launch16<T, 128, false>(tq, tk, tv, to, prm, grid, stream);
+  return causal ? launch16<T, 64, true>(tq, tk, tv, to, prm, grid, stream)
+                : launch16<T, 64, false>(tq, tk, tv, to, prm, grid, stream);
 }
 
 // SPARGE_FP16_KERNEL (developer switch, read once): `portable` selects the
@@ -491,10 +501,16 @@ sparge_status_t launch_attention_sm90_fp16(const AttnArgs& a, cudaStream_t strea
     return sm90::decline("a tensor map for these strides");
   sm90::RowParams prm{};
   sm90::fill_row_params(a, &prm);
+  // The output through shared memory and a TMA store where its strides are
+  // expressible (else direct stores).
+  CUtensorMap to = tq;
+  if (sm90::tma_store_from_env() &&
+      sm90::make_map_bhld16(enc, &to, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
+    prm.tma_store = 1;
   const unsigned grid = static_cast<unsigned>(rows);
   *launched = true;
-  if (bf16) return sm90::dispatch16<__nv_bfloat16>(pb.D, pb.causal, tq, tk, tv, prm, grid, stream);
-  return sm90::dispatch16<__half>(pb.D, pb.causal, tq, tk, tv, prm, grid, stream);
+  if (bf16) return sm90::dispatch16<__nv_bfloat16>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
+  return sm90::dispatch16<__half>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
 }
 
 }  // namespace cuda

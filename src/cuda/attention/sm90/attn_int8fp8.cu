@@ -94,7 +94,11 @@ struct SmemLayout {
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
-  static constexpr int kVScale = kV + kStages * kVStage;  // D floats: v_amax / 448
+  // The output staging of the TMA-store epilogue: per consumer warpgroup D/64
+  // blocks of 64 rows x 128 bytes (none with split V, whose stages leave no room).
+  static constexpr int kOutBytes = (kVTerms == 1) ? 2 * 64 * D * 2 : 0;
+  static constexpr int kOut = (kV + kStages * kVStage + 1023) / 1024 * 1024;
+  static constexpr int kVScale = kOut + kOutBytes;  // D floats: v_amax / 448
   static constexpr int kBar = kVScale + D * 4;
   static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
@@ -365,7 +369,9 @@ struct Consumer {
 
   // vscale: shared-memory copy of v_amax * (1/448), written by the producer
   // warpgroup's second warp at the start (its latency off the tail of the CTA).
-  __device__ __forceinline__ void epilogue(const float* vscale) {
+  // With p.tma_store the tile goes out through `stage` and tm_o (whole 64-row
+  // tile; the TMA unit clips rows past Lq), else by direct 4-byte stores.
+  __device__ __forceinline__ void epilogue(const float* vscale, uint8_t* stage, const CUtensorMap* tm_o, int tid) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -373,23 +379,31 @@ struct Consumer {
     const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
     const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
     named_bar_sync(kVScaleBar, 256 + 32);
+    // Columns 8c + 2 quad, +1 of row `half` as a 16-bit pair.
+    auto pair = [&](int c, int half) -> uint32_t {
+      const int col = 8 * c + 2 * quad;
+      const float inv = half ? inv1 : inv0;
+      const float x0 = o[c * 4 + 2 * half + 0] * vscale[col] * inv;
+      const float x1 = o[c * 4 + 2 * half + 1] * vscale[col + 1] * inv;
+      if (p.out_bf16) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+        return *reinterpret_cast<const uint32_t*>(&v);
+      }
+      const __half2 v = __floats2half2_rn(x0, x1);
+      return *reinterpret_cast<const uint32_t*>(&v);
+    };
+    if (L::kOutBytes > 0 && p.tma_store) {
+      store_tile_tma<D>(stage, 8192, tm_o, cw, tid, wg_row_min, h, b, pair);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = half ? row1 : row0;
       if (row >= p.Lq) continue;
-      const float inv = half ? inv1 : inv0;
-      char* orow = static_cast<char*>(p.out) +
-                   2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] + int64_t(row) * p.out_stride[2]);
+      if (!(L::kOutBytes > 0 && p.tma_store)) {
+        char* orow = static_cast<char*>(p.out) + 2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] +
+                                                      int64_t(row) * p.out_stride[2]);
 #pragma unroll
-      for (int c = 0; c < D / 8; ++c) {
-        const int col = 8 * c + 2 * quad;
-        const float x0 = o[c * 4 + 2 * half + 0] * vscale[col] * inv;
-        const float x1 = o[c * 4 + 2 * half + 1] * vscale[col + 1] * inv;
-        if (p.out_bf16) {
-          *reinterpret_cast<__nv_bfloat162*>(orow + 2 * col) = __floats2bfloat162_rn(x0, x1);
-        } else {
-          *reinterpret_cast<__half2*>(orow + 2 * col) = __floats2half2_rn(x0, x1);
-        }
+        for (int c = 0; c < D / 8; ++c) *reinterpret_cast<uint32_t*>(orow + 2 * (8 * c + 2 * quad)) = pair(c, half);
       }
       if (p.lse != nullptr && quad == 0) {
         const float l = half ? l1 : l0;
@@ -406,7 +420,7 @@ template <int D, bool kCausal, int kSchedule, int kVTerms>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_int8fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_vlo,
-                        const Params p) {
+                        const __grid_constant__ CUtensorMap tm_o, const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kKeys = KeysPerStep<kSchedule>::value;
   constexpr int kHalves = kKeys / 64;
@@ -612,7 +626,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  c.epilogue(reinterpret_cast<const float*>(ring.base + L::kVScale));
+  c.epilogue(reinterpret_cast<const float*>(ring.base + L::kVScale), ring.base + L::kOut + c.cw * (D / 64) * 8192,
+             &tm_o, threadIdx.x - 128 * wg);
 #else
   __trap();  // built for another architecture: the dispatcher must not launch this
 #endif
@@ -638,10 +653,19 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   } else {
     tvlo = tv;  // unused
   }
+  // The TMA-store epilogue where the stages leave room and the output's strides
+  // are expressible (else direct stores).
+  CUtensorMap to = tq;
+  Params prm_run = prm;
+  prm_run.tma_store = 0;
+  if (L::kOutBytes > 0 && tma_store_from_env() &&
+      make_map_bhld16(enc, &to, a.out.data, pb.dtype == SPARGE_DTYPE_BFLOAT16, a.out.shape, a.out.stride, 64) ==
+          CUDA_SUCCESS)
+    prm_run.tma_store = 1;
   auto kernel = attn_int8fp8_kernel<D, kCausal, kSchedule, kVTerms>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
   const unsigned grid = static_cast<unsigned>(bhq * pb.nQB);
-  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, tvlo, prm);
+  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, tvlo, to, prm_run);
   SPARGE_LAUNCH_CHECK("attn_int8fp8_kernel");
   return SPARGE_OK;
 }

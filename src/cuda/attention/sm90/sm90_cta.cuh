@@ -12,6 +12,7 @@ namespace cuda {
 namespace sm90 {
 
 constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
+constexpr int kEpiBar0 = 4;   // named barriers 4, 5: a consumer warpgroup's staged output tile is complete
 
 // Kernel parameters every sm_90a attention kernel takes: the work lists, the
 // output and LSE with their strides, and the problem's sizes.
@@ -25,6 +26,7 @@ struct RowParams {
   int64_t lse_stride[3];
   int Hq, group, Lq, Lkv, nQB, nKB;
   float scale_log2;  // scale * log2(e)
+  int tma_store;     // the output goes out through shared memory and the tm_o tensor map
 };
 
 // Host side: RowParams from the attention arguments.
@@ -44,6 +46,41 @@ inline void fill_row_params(const AttnArgs& a, RowParams* r) {
   r->nQB = static_cast<int>(pb.nQB);
   r->nKB = static_cast<int>(pb.nKB);
   r->scale_log2 = pb.scale * kLog2e;
+  r->tma_store = 0;  // set by the launcher once the output's tensor map is encoded
+}
+
+// Epilogue through shared memory and a TMA store: a consumer warpgroup's
+// 64 x D output tile. pair(c, half) gives the thread's two 16-bit values of
+// columns 8c + 2 quad, +1 in row `half ? row1 : row0` (the accumulator
+// layout). The tile is staged as D/64 blocks of 64 rows x 128 bytes, 128B
+// swizzled (the layout of the output map's 64 x 64 box), block k at
+// stage + k * block_stride (1024-byte aligned); the warpgroup's first thread
+// stores the blocks and waits until they have been read (the CTA's shared
+// memory must outlive the store). Conflict-free: the 8 rows of a warp's store
+// land in 8 different 16-byte chunks. Rows past the tensor's end are clipped
+// by the TMA unit.
+template <int D, class Pair>
+__device__ __forceinline__ void store_tile_tma(uint8_t* stage, int block_stride, const CUtensorMap* map, int cw,
+                                               int tid, int row_base, int h, int b, Pair pair) {
+  const int lane = tid & 31, quad = lane & 3;
+  const int r0 = (tid / 32) * 16 + lane / 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + 8 * half;
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+      const int off = (c / 8) * block_stride + r * 128 + (((c % 8) ^ (r & 7)) * 16) + quad * 4;
+      *reinterpret_cast<uint32_t*>(stage + off) = pair(c, half);
+    }
+  }
+  fence_proxy_async_smem();
+  named_bar_sync(kEpiBar0 + cw, 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int k = 0; k < D / 64; ++k) tma_store_4d(map, stage + k * block_stride, 64 * k, row_base, h, b);
+    bulk_commit();
+    bulk_wait_read_all();
+  }
 }
 
 // The dynamic shared memory, its base aligned to 1024 bytes (the 128B

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "core/error.hpp"
@@ -64,6 +66,14 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
   return enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
              const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+bool tma_store_from_env() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPARGE_SM90_EPILOGUE");
+    return !(e != nullptr && std::strcmp(e, "direct") == 0);
+  }();
+  return on;
 }
 
 }  // namespace sm90

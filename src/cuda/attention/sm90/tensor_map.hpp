@@ -31,6 +31,11 @@ sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, bool bf16, const int64_t (&shape)[4],
                          const int64_t (&stride)[4], uint32_t box_rows);
 
+// The kernels' output path: false when SPARGE_SM90_EPILOGUE=direct (4-byte
+// stores from registers, a developer switch for A/B runs, read once); else
+// the TMA store through shared memory where a kernel has room for it.
+bool tma_store_from_env();
+
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace sparge
