@@ -278,3 +278,63 @@ TEST_CASE("attention: no LSE requested, and the run is capturable in a CUDA grap
     sparge_destroy_plan(plan);
   }
 }
+
+// The sm_90a kernels store the output through shared memory and the TMA unit
+// when its strides fit a tensor map, else with 4-byte stores from registers.
+// An output with a row pitch of D + 2 elements (rows 4-byte but not 16-byte
+// aligned) takes the second path: it must hold the same bits as a contiguous
+// output, and the two padding elements of every row must stay untouched.
+TEST_CASE("attention: an output no tensor map can describe gets the same bits by direct stores",
+          "[gpu][attention][sanitize]") {
+  if (!fp8_capable()) return;
+  Stream stream;
+  for (int64_t D : {int64_t(64), int64_t(128)}) {
+    const Shape s = shp(2, 4, 2, 300, 300, D, true);
+    const Inputs in = make_inputs(s, Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, case_seed("direct-out"));
+    const DeviceInputs din(in);
+    for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_INT8_FP8_SPLIT_V}) {
+      INFO(precision_name(prec) << " D=" << D);
+      sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+      pr.batch = s.B, pr.heads_q = s.Hq, pr.heads_kv = s.Hkv, pr.len_q = s.Lq, pr.len_kv = s.Lkv, pr.head_dim = s.D;
+      pr.dtype = in.q.dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = prec, pr.causal = 1;
+      sparge_plan_t plan = nullptr;
+      REQUIRE(sparge_create_plan(&pr, &plan) == SPARGE_OK);
+      size_t wsb = 0;
+      REQUIRE(sparge_plan_workspace_size(plan, &wsb) == SPARGE_OK);
+      const int64_t rows = s.B * s.Hq * s.Lq, pitch = D + 2;
+      DeviceBuffer ws(wsb), dense(static_cast<size_t>(rows * D) * 2), padded(static_cast<size_t>(rows * pitch) * 2);
+      dense.fill(0xFF);
+      padded.fill(0xFF);
+      const int64_t osh[4] = {s.B, s.Hq, s.Lq, D};
+      const int64_t dst[4] = {s.Hq * s.Lq * D, s.Lq * D, D, 1}, pst[4] = {s.Hq * s.Lq * pitch, s.Lq * pitch, pitch, 1};
+      const sparge_tensor_t od = make_desc(dense.get(), SPARGE_DEVICE_CUDA, in.q.dtype, 4, osh, dst);
+      const sparge_tensor_t op = make_desc(padded.get(), SPARGE_DEVICE_CUDA, in.q.dtype, 4, osh, pst);
+      const sparge_tensor_t qd = desc4(in.q, din.q.get(), SPARGE_DEVICE_CUDA);
+      const sparge_tensor_t kd = desc4(in.k, din.k.get(), SPARGE_DEVICE_CUDA);
+      const sparge_tensor_t vd = desc4(in.v, din.v.get(), SPARGE_DEVICE_CUDA);
+      sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      prm.topk = 0.5f;
+      CHECK(sparge_attention_run(plan, &qd, &kd, &vd, nullptr, &prm, &od, nullptr, ws.get(), wsb, stream.get()) ==
+            SPARGE_OK);
+      CHECK(sparge_attention_run(plan, &qd, &kd, &vd, nullptr, &prm, &op, nullptr, ws.get(), wsb, stream.get()) ==
+            SPARGE_OK);
+      stream.sync();
+      std::vector<uint16_t> a(static_cast<size_t>(rows * D)), b(static_cast<size_t>(rows * pitch));
+      dense.download(a.data(), a.size() * 2);
+      padded.download(b.data(), b.size() * 2);
+      int64_t differ = 0, poisoned = 0, pad_written = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < D; ++c) {
+          const uint16_t x = a[static_cast<size_t>(r * D + c)];
+          differ += x != b[static_cast<size_t>(r * pitch + c)];
+          poisoned += x == 0xFFFF;
+        }
+        for (int64_t c = D; c < pitch; ++c) pad_written += b[static_cast<size_t>(r * pitch + c)] != 0xFFFF;
+      }
+      CHECK(differ == 0);
+      CHECK(poisoned == 0);
+      CHECK(pad_written == 0);
+      sparge_destroy_plan(plan);
+    }
+  }
+}

@@ -187,3 +187,30 @@ TEST_CASE("CUDA plan: unsupported problems fail at plan creation", "[gpu][errors
   CHECK(sparge_create_plan(&pr, nullptr) == SPARGE_ERR_INVALID_ARGUMENT);  // NULL out pointer
   CHECK(cudaGetLastError() == cudaSuccess);
 }
+
+TEST_CASE("CUDA: outputs whose rows the kernels cannot store are refused, naming out", "[gpu][errors][sanitize]") {
+  for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16}) {
+    Fixture f(prec);
+    INFO(precision_name(prec));
+    const Shape& s = f.s;
+    // Row pitch D + 1 elements: rows start on odd 2-byte boundaries.
+    const int64_t pitch = s.D + 1;
+    DeviceBuffer odd(static_cast<size_t>(s.B * s.Hq * s.Lq * pitch) * 2 + 64);
+    const int64_t osh[4] = {s.B, s.Hq, s.Lq, s.D}, ost[4] = {s.Hq * s.Lq * pitch, s.Lq * pitch, pitch, 1};
+    const sparge_tensor_t o_odd = make_desc(odd.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_BFLOAT16, 4, osh, ost);
+    sparge_status_t st = f.run(f.q, f.k, f.v, &f.m, o_odd, &f.l, f.ws.get(), f.wsb);
+    INFO("odd pitch: " << sparge_status_string(st) << " " << sparge_last_error());
+    CHECK(st == SPARGE_ERR_UNSUPPORTED);
+    CHECK(names_word(sparge_last_error(), "out"));
+    // A data pointer one element past an aligned one, even pitch.
+    const int64_t est[4] = {s.Hq * s.Lq * s.D, s.Lq * s.D, s.D, 1};
+    const sparge_tensor_t o_mis = make_desc(static_cast<char*>(odd.get()) + 2, SPARGE_DEVICE_CUDA,
+                                            SPARGE_DTYPE_BFLOAT16, 4, osh, est);
+    st = f.run(f.q, f.k, f.v, &f.m, o_mis, &f.l, f.ws.get(), f.wsb);
+    INFO("misaligned pointer: " << sparge_status_string(st) << " " << sparge_last_error());
+    CHECK(st == SPARGE_ERR_UNSUPPORTED);
+    CHECK(names_word(sparge_last_error(), "out"));
+    CHECK(f.run_ok() == SPARGE_OK);
+    CHECK(cudaGetLastError() == cudaSuccess);
+  }
+}

@@ -95,9 +95,12 @@ struct SmemLayout {
   static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
   // The output staging of the TMA-store epilogue: per consumer warpgroup D/64
-  // blocks of 64 rows x 128 bytes (none with split V, whose stages leave no room).
-  static constexpr int kOutBytes = (kVTerms == 1) ? 2 * 64 * D * 2 : 0;
+  // blocks of 64 rows x 128 bytes, where the shared memory has room (all but
+  // split V at D = 128, whose stages take 208 KiB; it keeps direct stores).
   static constexpr int kOut = (kV + kStages * kVStage + 1023) / 1024 * 1024;
+  static constexpr int kOutWanted = 2 * 64 * D * 2;
+  static constexpr bool kOutFits = kOut + kOutWanted + D * 4 + (2 * kStages + 1) * 8 + 1024 <= 227 * 1024;
+  static constexpr int kOutBytes = kOutFits ? kOutWanted : 0;
   static constexpr int kVScale = kOut + kOutBytes;  // D floats: v_amax / 448
   static constexpr int kBar = kVScale + D * 4;
   static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
@@ -699,6 +702,19 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
                 static_cast<long long>(pb.D));
   if (pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK)
     return fail(SPARGE_ERR_UNSUPPORTED, "block size: the CUDA kernels use 128x64 mask blocks");
+  // The epilogue writes pairs of 16-bit elements (4-byte stores) when it does
+  // not go through the TMA unit: rows must start on 4-byte boundaries.
+  {
+    const Tensor4& o = a.out;
+    bool even = reinterpret_cast<uintptr_t>(o.data) % 4 == 0;
+    for (int d = 0; d < 3; ++d) even = even && (o.shape[d] <= 1 || o.stride[d] % 2 == 0);
+    if (!even)
+      return fail(SPARGE_ERR_UNSUPPORTED,
+                  "out: the int8_fp8 CUDA kernel writes pairs of elements and needs a 4-byte aligned data pointer "
+                  "and even batch/head/row strides (got strides %lld, %lld, %lld)",
+                  static_cast<long long>(o.stride[0]), static_cast<long long>(o.stride[1]),
+                  static_cast<long long>(o.stride[2]));
+  }
   const int64_t rows = pb.B * pb.Hq * pb.nQB;
   if (rows * kGpuBlockQ >= (int64_t(1) << 31) || pb.B * pb.Hkv * pb.nKB * kGpuBlockK >= (int64_t(1) << 31) ||
       pb.B * pb.Hkv * pb.D >= (int64_t(1) << 31))

@@ -182,7 +182,7 @@ __device__ __forceinline__ float poly_exp2(float x) {
   float p = fmaf(0.05500897789403876f, r, 0.24221101953617863f);
   p = fmaf(p, r, 0.6932829207097604f);
   p = fmaf(p, r, 1.0f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(f) << 23));
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(f) << 23));
 }
 
 // Exact int32 -> float for |x| < 2^22 with two full-rate ALU ops instead of a
