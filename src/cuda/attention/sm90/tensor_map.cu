@@ -61,6 +61,14 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
     strides[i] = (shape[d] == 1) ? span : cuuint64_t(stride[d]) * 2;
     span = std::max(span, strides[i] * dims[i + 1]);
   }
+  // The encoder's rules, checked here first so that the expected refusals
+  // (callers fall back) are not failed driver calls: a 16-byte aligned base,
+  // strides that are multiples of 16 bytes below 2^40, extents up to 2^32.
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (int i = 0; i < 3; ++i)
+    if (strides[i] % 16 != 0 || strides[i] >= (cuuint64_t(1) << 40)) return CUDA_ERROR_INVALID_VALUE;
+  for (int i = 0; i < 4; ++i)
+    if (dims[i] == 0 || dims[i] > (cuuint64_t(1) << 32)) return CUDA_ERROR_INVALID_VALUE;
   const cuuint32_t box[4] = {64, box_rows, 1, 1};
   const cuuint32_t estr[4] = {1, 1, 1, 1};
   return enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,

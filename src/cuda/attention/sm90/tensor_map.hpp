@@ -25,9 +25,10 @@ sparge_status_t make_map(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 
 // A 4-D map over a 16-bit [B, H, L, D] tensor with element strides
 // `stride` (unit stride on D), box = 64 elements of D x box_rows rows of L,
-// 128B swizzle, zero fill outside the tensor. Returns the driver's result
-// (no error message): callers fall back to another kernel when the strides
-// are not expressible (e.g. rows that overlap).
+// 128B swizzle, zero fill outside the tensor. Returns the driver's result, or
+// CUDA_ERROR_INVALID_VALUE without calling it when the base or strides break
+// the encoder's alignment rules (no error message): callers fall back to
+// another path when the tensor is not expressible (e.g. rows that overlap).
 CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, bool bf16, const int64_t (&shape)[4],
                          const int64_t (&stride)[4], uint32_t box_rows);
 
