@@ -174,6 +174,18 @@ Shape shp(int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lkv, int64_t D
 
 const std::vector<double> kDensities = {1.0, 0.5, 0.1, 0.0};
 
+// A causal CUDA plan for shape s, and its workspace size (for tests that call
+// the C API directly).
+sparge_plan_t causal_cuda_plan(const Shape& s, sparge_dtype_t dtype, sparge_precision_t prec, size_t* wsb) {
+  sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+  pr.batch = s.B, pr.heads_q = s.Hq, pr.heads_kv = s.Hkv, pr.len_q = s.Lq, pr.len_kv = s.Lkv, pr.head_dim = s.D;
+  pr.dtype = dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = prec, pr.causal = 1;
+  sparge_plan_t plan = nullptr;
+  REQUIRE(sparge_create_plan(&pr, &plan) == SPARGE_OK);
+  REQUIRE(sparge_plan_workspace_size(plan, wsb) == SPARGE_OK);
+  return plan;
+}
+
 }  // namespace
 
 TEST_CASE("attention, small shapes: vs float64 and the CPU backend", "[gpu][attention][sanitize]") {
@@ -230,13 +242,8 @@ TEST_CASE("attention: no LSE requested, and the run is capturable in a CUDA grap
 
     // Capture predict-inside attention (mask NULL) in global capture mode: any
     // allocation or host synchronization inside the call makes capture fail.
-    sparge_problem_t pr = SPARGE_PROBLEM_INIT;
-    pr.batch = s.B, pr.heads_q = s.Hq, pr.heads_kv = s.Hkv, pr.len_q = s.Lq, pr.len_kv = s.Lkv, pr.head_dim = s.D;
-    pr.dtype = in.q.dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = prec, pr.causal = 1;
-    sparge_plan_t plan = nullptr;
-    REQUIRE(sparge_create_plan(&pr, &plan) == SPARGE_OK);
     size_t wsb = 0;
-    REQUIRE(sparge_plan_workspace_size(plan, &wsb) == SPARGE_OK);
+    sparge_plan_t plan = causal_cuda_plan(s, in.q.dtype, prec, &wsb);
     DeviceBuffer ws(wsb), out_eager(in.q.storage * 2), out_graph(in.q.storage * 2);
     out_eager.fill(0xFF);
     out_graph.fill(0xFF);
@@ -294,13 +301,8 @@ TEST_CASE("attention: an output no tensor map can describe gets the same bits by
     const DeviceInputs din(in);
     for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_INT8_FP8_SPLIT_V}) {
       INFO(precision_name(prec) << " D=" << D);
-      sparge_problem_t pr = SPARGE_PROBLEM_INIT;
-      pr.batch = s.B, pr.heads_q = s.Hq, pr.heads_kv = s.Hkv, pr.len_q = s.Lq, pr.len_kv = s.Lkv, pr.head_dim = s.D;
-      pr.dtype = in.q.dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = prec, pr.causal = 1;
-      sparge_plan_t plan = nullptr;
-      REQUIRE(sparge_create_plan(&pr, &plan) == SPARGE_OK);
       size_t wsb = 0;
-      REQUIRE(sparge_plan_workspace_size(plan, &wsb) == SPARGE_OK);
+      sparge_plan_t plan = causal_cuda_plan(s, in.q.dtype, prec, &wsb);
       const int64_t rows = s.B * s.Hq * s.Lq, pitch = D + 2;
       DeviceBuffer ws(wsb), dense(static_cast<size_t>(rows * D) * 2), padded(static_cast<size_t>(rows * pitch) * 2);
       dense.fill(0xFF);
