@@ -128,6 +128,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   // The pooled means and self-similarities are needed only when the mask is
   // predicted here.
   const bool predict_here = (mask == nullptr);
+  if (int8) SPARGE_TRY(check_int8fp8_out(out));  // before the preparation runs
   if (int8)
     SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true, /*pool=*/predict_here,
                             /*lse_shift=*/lse != nullptr));

@@ -62,6 +62,9 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
 
 // --- attention kernel families (src/cuda/attention/) ------------------------
 sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream);
+// Whether the INT8_FP8 kernels can store `out` (rows 4-byte aligned); checked
+// before any launch of an attention call. UNSUPPORTED naming out otherwise.
+sparge_status_t check_int8fp8_out(const Tensor4& out);
 // FP16 mode: the sm_90a wgmma kernel when it applies (TMA can express the
 // tensors' strides; SPARGE_FP16_KERNEL=portable turns it off), else the
 // portable mma.sync kernel.

@@ -395,14 +395,13 @@ struct Consumer {
       const __half2 v = __floats2half2_rn(x0, x1);
       return *reinterpret_cast<const uint32_t*>(&v);
     };
-    if (L::kOutBytes > 0 && p.tma_store) {
-      store_tile_tma<D>(stage, 8192, tm_o, cw, tid, wg_row_min, h, b, pair);
-    }
+    const bool tma = L::kOutBytes > 0 && p.tma_store;  // the host sets tma_store only where there is room
+    if (tma) store_tile_tma<D>(stage, 8192, tm_o, cw, tid, wg_row_min, h, b, pair);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = half ? row1 : row0;
       if (row >= p.Lq) continue;
-      if (!(L::kOutBytes > 0 && p.tma_store)) {
+      if (!tma) {
         char* orow = static_cast<char*>(p.out) + 2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] +
                                                       int64_t(row) * p.out_stride[2]);
 #pragma unroll
@@ -695,6 +694,19 @@ sparge_status_t launch_variant(const AttnArgs& a, const Params& prm, cudaStream_
 }  // namespace
 }  // namespace sm90
 
+sparge_status_t check_int8fp8_out(const Tensor4& o) {
+  // The epilogue writes pairs of 16-bit elements (4-byte stores) when it does
+  // not go through the TMA unit: rows must start on 4-byte boundaries.
+  bool even = reinterpret_cast<uintptr_t>(o.data) % 4 == 0;
+  for (int d = 0; d < 3; ++d) even = even && (o.shape[d] <= 1 || o.stride[d] % 2 == 0);
+  if (even) return SPARGE_OK;
+  return fail(SPARGE_ERR_UNSUPPORTED,
+              "out: the int8_fp8 CUDA kernel writes pairs of elements and needs a 4-byte aligned data pointer "
+              "and even batch/head/row strides (got strides %lld, %lld, %lld)",
+              static_cast<long long>(o.stride[0]), static_cast<long long>(o.stride[1]),
+              static_cast<long long>(o.stride[2]));
+}
+
 sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream) {
   const Problem& pb = a.prob;
   if (pb.D != 64 && pb.D != 128)
@@ -702,19 +714,6 @@ sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t st
                 static_cast<long long>(pb.D));
   if (pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK)
     return fail(SPARGE_ERR_UNSUPPORTED, "block size: the CUDA kernels use 128x64 mask blocks");
-  // The epilogue writes pairs of 16-bit elements (4-byte stores) when it does
-  // not go through the TMA unit: rows must start on 4-byte boundaries.
-  {
-    const Tensor4& o = a.out;
-    bool even = reinterpret_cast<uintptr_t>(o.data) % 4 == 0;
-    for (int d = 0; d < 3; ++d) even = even && (o.shape[d] <= 1 || o.stride[d] % 2 == 0);
-    if (!even)
-      return fail(SPARGE_ERR_UNSUPPORTED,
-                  "out: the int8_fp8 CUDA kernel writes pairs of elements and needs a 4-byte aligned data pointer "
-                  "and even batch/head/row strides (got strides %lld, %lld, %lld)",
-                  static_cast<long long>(o.stride[0]), static_cast<long long>(o.stride[1]),
-                  static_cast<long long>(o.stride[2]));
-  }
   const int64_t rows = pb.B * pb.Hq * pb.nQB;
   if (rows * kGpuBlockQ >= (int64_t(1) << 31) || pb.B * pb.Hkv * pb.nKB * kGpuBlockK >= (int64_t(1) << 31) ||
       pb.B * pb.Hkv * pb.D >= (int64_t(1) << 31))
