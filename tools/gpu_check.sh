@@ -22,7 +22,8 @@
 #             and a per-SASS-instruction CSV (sass_source.csv)
 #   ncu       Nsight Compute (--clock-control none) on the int8_fp8 attention kernel
 #             at N=16K D=128 (tensor-pipe utilization, throughput), the same for the
-#             FP16-mode sm_90a kernel, and kernel durations of one predict+attention call
+#             FP16-mode and INT8_FP16 sm_90a kernels, and kernel durations of one
+#             predict+attention call
 #
 # Environment
 #   BUILD_DIR (build-gpu)    GPU_CHECK_BUDGET_S (570: total seconds for all stages)
@@ -231,7 +232,7 @@ if want bench; then
   else
     res=()
     # shellcheck disable=SC2086
-    run_to "$LOG/bench.log" "$(allow 200)" "$BENCH" --csv "$LOG/bench.csv" --tag "$COMMIT" ${BENCH_ARGS:-}
+    run_to "$LOG/bench.log" "$(allow 300)" "$BENCH" --csv "$LOG/bench.csv" --tag "$COMMIT" ${BENCH_ARGS:-}
     rc=$?
     ((rc == 0)) && res+=("sparge_bench ok") || res+=("sparge_bench rc=$rc")
     # A/B: the 64-key pingpong schedule (not the specified rounding) on the dense workloads.
@@ -295,13 +296,20 @@ if want ncu; then
     # The duration printed after the FP16 command's own header (none if no kernel matched).
     dur16=$(awk '/regex:attn_fp16_sm90/{f=1} f && /gpu__time_duration.sum/{d=$NF " " $(NF-1)} END{print d}' "$LOG/ncu.log")
     echo "fp16 kernel duration (ncu): $dur16 for 4.398e12 flop" | tee -a "$LOG/ncu.log"
+    # The INT8_FP16 kernel (the same kernel template with int8 Q.K^T) on the same workload.
+    echo "== int8_fp16 kernel" | tee -a "$LOG/ncu.log"
+    run_to "$LOG/ncu.log" "$(allow 90)" ncu --clock-control none -k regex:attn_fp16_sm90 --launch-skip 1 -c 1 \
+      --section SpeedOfLight --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes i8f16 --warmup 1 \
+      --min-iters 1 --max-iters 1 || rc1=$?
+    durif=$(awk '/^== int8_fp16 kernel/{f=1} f && /gpu__time_duration.sum/{d=$NF " " $(NF-1)} END{print d}' "$LOG/ncu.log")
+    echo "int8_fp16 kernel duration (ncu): $durif for 4.398e12 ops" | tee -a "$LOG/ncu.log"
     rc2=0
     # Every kernel of one predict+attention call (prediction breakdown), durations only.
     run_to "$LOG/ncu.log" "$(allow 120)" ncu --clock-control none --metrics gpu__time_duration.sum \
       "$BENCH" --n 32768 --d 128 --causal 0 --modes pred+attn --warmup 0 --min-iters 1 --max-iters 1 || rc2=$?
     st=ok
     ((rc1 != 0 || rc2 != 0)) && st=FAIL
-    note ncu $st $(($(date +%s) - s)) "kernel rc=$rc1, breakdown rc=$rc2; int8_fp8 $dur; fp16 $dur16"
+    note ncu $st $(($(date +%s) - s)) "kernel rc=$rc1, breakdown rc=$rc2; int8_fp8 $dur; fp16 $dur16; int8_fp16 $durif"
   fi
 fi
 

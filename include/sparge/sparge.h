@@ -85,7 +85,13 @@ typedef enum sparge_precision {
    * error falls to that of P and Q.K^T (relative L1 ~0.028 instead of ~0.038
    * on random normal inputs, docs/ACCURACY.md); one more fp8 P.V product per
    * key tile and a second fp8 V region in the CUDA workspace. */
-  SPARGE_PRECISION_INT8_FP8_SPLIT_V = 3
+  SPARGE_PRECISION_INT8_FP8_SPLIT_V = 3,
+  /* Q, K int8 exactly as INT8_FP8 (per-token Q scale, per-64-key-block K
+   * scale, K smoothed); P rounded to the input's 16-bit type, V used as
+   * given; fp32 accumulation. The error is that of the int8 Q.K^T alone
+   * (relative L1 ~0.011 on random normal inputs, docs/ACCURACY.md); no V
+   * preparation pass and no fp8 V region in the CUDA workspace. */
+  SPARGE_PRECISION_INT8_FP16 = 4
 } sparge_precision_t;
 
 typedef enum sparge_select_mode {

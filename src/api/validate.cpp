@@ -85,12 +85,16 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
   if (gpu && dtype == SPARGE_DTYPE_FLOAT32)
     return fail(UNS, "problem->dtype is FLOAT32: CUDA plans support FLOAT16 or BFLOAT16");
   if (precision != SPARGE_PRECISION_INT8_FP8 && precision != SPARGE_PRECISION_FP16 &&
-      precision != SPARGE_PRECISION_EXACT && precision != SPARGE_PRECISION_INT8_FP8_SPLIT_V)
-    return fail(INV, "problem->precision is %d, expected INT8_FP8 (0), FP16 (1), EXACT (2) or INT8_FP8_SPLIT_V (3)",
+      precision != SPARGE_PRECISION_EXACT && precision != SPARGE_PRECISION_INT8_FP8_SPLIT_V &&
+      precision != SPARGE_PRECISION_INT8_FP16)
+    return fail(INV,
+                "problem->precision is %d, expected INT8_FP8 (0), FP16 (1), EXACT (2), INT8_FP8_SPLIT_V (3) or "
+                "INT8_FP16 (4)",
                 int(precision));
   if (gpu && precision == SPARGE_PRECISION_EXACT)
     return fail(UNS,
-                "problem->precision is EXACT: CUDA plans support INT8_FP8, INT8_FP8_SPLIT_V or FP16 (EXACT is CPU only)");
+                "problem->precision is EXACT: CUDA plans support INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16 or FP16 (EXACT "
+                "is CPU only)");
   if (gpu && in.head_dim != 64 && in.head_dim != 128)
     return fail(UNS, "problem->head_dim is %" PRId64 ": CUDA plans support 64 or 128", in.head_dim);
   if (!gpu && in.head_dim > 256)

@@ -36,8 +36,11 @@ struct Problem {
   int BQ = 128, BK = 64;  // resolved mask block sizes
   int64_t nQB = 0, nKB = 0;
   int64_t group() const { return Hq / Hkv; }
-  // INT8_FP8 or INT8_FP8_SPLIT_V: int8 Q.K^T, fp8 P.V.
-  SPARGE_HD bool quantized() const {
+  // INT8_FP8, INT8_FP8_SPLIT_V or INT8_FP16: int8 Q.K^T (Q and K quantized
+  // in the preparation).
+  SPARGE_HD bool quantized() const { return fp8_pv() || precision == SPARGE_PRECISION_INT8_FP16; }
+  // INT8_FP8 or INT8_FP8_SPLIT_V: fp8 P.V (V quantized in the preparation).
+  SPARGE_HD bool fp8_pv() const {
     return precision == SPARGE_PRECISION_INT8_FP8 || precision == SPARGE_PRECISION_INT8_FP8_SPLIT_V;
   }
   SPARGE_HD bool split_v() const { return precision == SPARGE_PRECISION_INT8_FP8_SPLIT_V; }

@@ -56,7 +56,7 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     if (p.quantized()) {
       w.q_i8 = a.take({B, Hq, nQB, kGpuBlockQ, D});
       w.k_i8 = a.take({B, Hkv, nKB, kGpuBlockK, D});
-      w.v_f8 = a.take({B, Hkv, D, nKB, kGpuBlockK});
+      if (p.fp8_pv()) w.v_f8 = a.take({B, Hkv, D, nKB, kGpuBlockK});
       if (p.split_v()) w.v_f8_lo = a.take({B, Hkv, D, nKB, kGpuBlockK});
     }
   }

@@ -1,4 +1,4 @@
-// CPU reference: block-sparse attention in the four precision modes
+// CPU reference: block-sparse attention in the five precision modes
 // (docs/SEMANTICS.md, "Attention on a mask" and "Precision modes").
 #include <algorithm>
 #include <cmath>
@@ -10,8 +10,11 @@ namespace sparge {
 namespace cpu {
 namespace {
 
-constexpr int64_t kTile = 64;  // online-softmax key tile (FP16 and INT8_FP8)
+constexpr int64_t kTile = 64;  // online-softmax key tile (FP16 and the int8 modes)
 constexpr int kInt8Fp8TilesPerStep = 2;  // INT8_FP8 steps over pairs of listed tiles (128 keys)
+// INT8_FP16 steps over the listed tiles as the sm_90a kernel does: three at a
+// time at D = 64 (192 keys), else two (128 keys).
+inline int int8fp16_tiles_per_step(int64_t D) { return D == 64 ? 3 : 2; }
 constexpr float kLn2 = 0.693147180559945309f;
 
 // 2^(t - mx) for t <= mx. Equal to std::exp2(t - mx) whenever the difference is
@@ -187,14 +190,15 @@ void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector
   }
 }
 
-// ---------------------------------------------------------------- INT8_FP8 twin
-// The rounding steps of the fast GPU modes (INT8_FP8 and INT8_FP8_SPLIT_V),
-// exactly as listed in SEMANTICS.md.
+// ---------------------------------------------------------------- int8 twins
+// The rounding steps of the int8 GPU modes (INT8_FP8, INT8_FP8_SPLIT_V and
+// INT8_FP16), exactly as listed in SEMANTICS.md.
 struct QuantKV {
   std::vector<int8_t> k8;   // [Lkv, D] smoothed, per-64-key-block scale
   std::vector<float> sk;    // [nTiles]
   std::vector<float> v8;    // [Lkv, D] float(e4m3(y)), y = v * 448 / amax_c; split V: + float(e4m3(y - hi))
   std::vector<float> sv;    // [D] amax_c / 448
+  // (v8 and sv stay empty for INT8_FP16, whose P.V uses V as given.)
 };
 
 inline int8_t quant_i8(float x, float inv) {
@@ -224,6 +228,7 @@ void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vect
     for (int64_t j = j0; j < j1; ++j)
       for (int64_t c = 0; c < D; ++c) qkv.k8[size_t(j * D + c)] = quant_i8(ks[size_t((j - j0) * D + c)], inv);
   }
+  if (!p.fp8_pv()) return;
   qkv.sv.assign(size_t(D), 0.0f);
   qkv.v8.assign(size_t(p.Lkv * D), 0.0f);
   for (int64_t c = 0; c < D; ++c) {
@@ -240,8 +245,13 @@ void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vect
   }
 }
 
-void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV& kv, const float* mu,
-                  const MaskView& mask, const HeadIO& io) {
+// INT8_FP8 and INT8_FP8_SPLIT_V: P as e4m3(p * 448) times the e4m3 V codes,
+// dequantized by amax_c / 448 / 448 at the end. INT8_FP16: P rounded to the
+// input's 16-bit type (as the FP16 mode) times V as given (vh).
+void head_int8(const Problem& p, const std::vector<float>& qh, const std::vector<float>& vh, const QuantKV& kv,
+               const float* mu, const MaskView& mask, const HeadIO& io) {
+  const bool fp8 = p.fp8_pv();
+  const int per_step = fp8 ? kInt8Fp8TilesPerStep : int8fp16_tiles_per_step(p.D);
   const int64_t D = p.D;
   const float cexp = p.scale * kLog2e;
   std::vector<int8_t> q8(static_cast<size_t>(D));
@@ -265,7 +275,7 @@ void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV&
     const float qs = sq * cexp;
     float m, l;
     online_softmax_row(
-        p, rm, tiles, kInt8Fp8TilesPerStep,
+        p, rm, tiles, per_step,
         [&](int64_t j, int64_t tb) {
           const float f = qs * kv.sk[size_t(tb)];
           int32_t d = 0;
@@ -273,14 +283,18 @@ void head_int8fp8(const Problem& p, const std::vector<float>& qh, const QuantKV&
           for (int64_t c = 0; c < D; ++c) d += int32_t(q8[size_t(c)]) * int32_t(kj[c]);
           return d == 0 ? 0.0f : float(d) * f;  // f may overflow to +inf: 0 * inf is no score
         },
-        [](float pj) { return e4m3_round(pj * kFp8Max); }, [&](int64_t j) { return kv.v8.data() + j * D; }, t, acc,
-        m, l);
+        [&](float pj) { return fp8 ? e4m3_round(pj * kFp8Max) : round_to(p.dtype, pj); },
+        [&](int64_t j) { return (fp8 ? kv.v8.data() : vh.data()) + j * D; }, t, acc, m, l);
     if (l == 0.0f) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       io.write_row(i, acc.data(), -INFINITY);
       continue;
     }
-    for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = acc[size_t(c)] * (kv.sv[size_t(c)] / kFp8Max) / l;
+    if (fp8) {
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = acc[size_t(c)] * (kv.sv[size_t(c)] / kFp8Max) / l;
+    } else {
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = acc[size_t(c)] / l;
+    }
     double qmu = 0.0;
     for (int64_t c = 0; c < D; ++c) qmu += double(qi[c]) * double(mu[c]);
     const float shift = float(double(p.scale) * qmu);
@@ -322,7 +336,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
         const float* mu = k_mean + (b * p.Hkv + hk) * p.D;
         QuantKV kv;
         quantize_kv(p, kh, vh, mu, kv);
-        head_int8fp8(p, qh, kv, mu, m, io);
+        head_int8(p, qh, vh, kv, mu, m, io);
         break;
       }
     }

@@ -75,7 +75,8 @@ sparge_status_t check_device(const Problem& p, int* sm_version) {
                 "(compute capability 9.0)",
                 p.device_id, prop.name, prop.major, prop.minor);
   if (!p.quantized() && p.precision != SPARGE_PRECISION_FP16)
-    return fail(SPARGE_ERR_UNSUPPORTED, "precision %d: the CUDA backend runs INT8_FP8, INT8_FP8_SPLIT_V and FP16 only",
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "precision %d: the CUDA backend runs INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16 and FP16 only",
                 int(p.precision));
   return predict_supported(p);
 }
@@ -128,10 +129,13 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   // The pooled means and self-similarities are needed only when the mask is
   // predicted here.
   const bool predict_here = (mask == nullptr);
-  if (int8) SPARGE_TRY(check_int8fp8_out(out));  // before the preparation runs
+  // Layout checks the kernels need, before the preparation runs.
+  if (int8) SPARGE_TRY(check_int8fp8_out(out));
+  if (int8 && !p.fp8_pv()) SPARGE_TRY(check_int8fp16_v(v));
+  // INT8_FP16 uses V as given: no V statistics, no V pass.
   if (int8)
-    SPARGE_TRY(prepare_impl(plan, q, k, &v, cfg, workspace, s, /*quantize=*/true, /*pool=*/predict_here,
-                            /*lse_shift=*/lse != nullptr));
+    SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,
+                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr));
   else if (predict_here)
     SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
                             /*lse_shift=*/false));
@@ -156,9 +160,11 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
     a.q_mu = ws_ptr<const float>(workspace, L.q_mu);
     a.k_i8 = ws_ptr<const int8_t>(workspace, L.k_i8);
     a.k_scale = ws_ptr<const float>(workspace, L.k_scale);
-    a.v_f8 = ws_ptr<const uint8_t>(workspace, L.v_f8);
-    if (p.split_v()) a.v_f8_lo = ws_ptr<const uint8_t>(workspace, L.v_f8_lo);
-    a.v_amax = ws_ptr<const float>(workspace, L.v_amax);
+    if (p.fp8_pv()) {
+      a.v_f8 = ws_ptr<const uint8_t>(workspace, L.v_f8);
+      if (p.split_v()) a.v_f8_lo = ws_ptr<const uint8_t>(workspace, L.v_f8_lo);
+      a.v_amax = ws_ptr<const float>(workspace, L.v_amax);
+    }
   }
   a.q = q;
   a.k = k;
@@ -168,7 +174,8 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   a.order = ws_ptr<const int32_t>(workspace, L.order);
   a.out = out;
   if (lse) a.lse = *lse;
-  if (int8) return launch_attention_sm90_int8fp8(a, s);
+  if (p.fp8_pv()) return launch_attention_sm90_int8fp8(a, s);
+  if (int8) return launch_attention_sm90_int8fp16(a, s);
   return launch_attention_fp16(a, s);
 }
 

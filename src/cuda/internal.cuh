@@ -62,9 +62,17 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
 
 // --- attention kernel families (src/cuda/attention/) ------------------------
 sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream);
-// Whether the INT8_FP8 kernels can store `out` (rows 4-byte aligned); checked
-// before any launch of an attention call. UNSUPPORTED naming out otherwise.
+// Whether the int8 kernels (INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16) can store
+// `out` (rows 4-byte aligned); checked before any launch of an attention
+// call. UNSUPPORTED naming out otherwise.
 sparge_status_t check_int8fp8_out(const Tensor4& out);
+// INT8_FP16: the sm_90a kernel of the FP16 mode with int8 Q.K^T (Q and K from
+// the workspace, V from the caller's tensor through a TMA map).
+sparge_status_t launch_attention_sm90_int8fp16(const AttnArgs& a, cudaStream_t stream);
+// Whether the INT8_FP16 kernel can read `v` through a TMA map (16-byte aligned
+// pointer, strides multiples of 8 elements); checked before any launch of an
+// attention call. UNSUPPORTED naming v otherwise.
+sparge_status_t check_int8fp16_v(const Tensor4& v);
 // FP16 mode: the sm_90a wgmma kernel when it applies (TMA can express the
 // tensors' strides; SPARGE_FP16_KERNEL=portable turns it off), else the
 // portable mma.sync kernel.

@@ -119,13 +119,15 @@ TEST_CASE("twin: K codes per 64-key block on smoothed K", "[cpu][twin]") {
 
 namespace {
 
-// A second transcription of SEMANTICS.md's INT8_FP8 steps (one head, float
+// A second transcription of SEMANTICS.md's int8 steps (one head, float
 // inputs given as dense arrays, used[i, j] = key j used by query i, kept(qb, kb)
-// the block mask, bq x bk blocks).
+// the block mask, bq x bk blocks). vmode: 0 INT8_FP8 (e4m3 P and V), 1
+// INT8_FP8_SPLIT_V (V as two e4m3 terms), 2 INT8_FP16 with float32 inputs (P
+// and V unrounded).
 template <class Kept>
 void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
                     const std::vector<float>& v, const std::vector<uint8_t>& used /* [Lq, Lkv] */, Kept kept,
-                    int64_t bq, int64_t bk, bool causal, float scale, bool smooth, bool split_v,
+                    int64_t bq, int64_t bk, bool causal, float scale, bool smooth, int vmode,
                     std::vector<float>& out, std::vector<float>& lse) {
   std::vector<float> mu(size_t(D), 0.0f);
   if (smooth)
@@ -147,14 +149,14 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
       for (int64_t c = 0; c < D; ++c) k8[size_t(j * D + c)] = q8of(k[size_t(j * D + c)] - mu[size_t(c)], 127.0f / a);
   }
   std::vector<float> v8(size_t(Lkv * D), 0.0f), sv(size_t(D), 0.0f);
-  for (int64_t c = 0; c < D; ++c) {
+  for (int64_t c = 0; c < D && vmode != 2; ++c) {
     float a = 0;
     for (int64_t j = 0; j < Lkv; ++j) a = std::max(a, std::fabs(v[size_t(j * D + c)]));
     if (a == 0) continue;
     sv[size_t(c)] = a / 448.0f;
     for (int64_t j = 0; j < Lkv; ++j) {
       const float y = v[size_t(j * D + c)] * (448.0f / a), hi = e4m3_reference(y);
-      v8[size_t(j * D + c)] = split_v ? hi + e4m3_reference(y - hi) : hi;
+      v8[size_t(j * D + c)] = vmode == 1 ? hi + e4m3_reference(y - hi) : hi;
     }
   }
   out.assign(size_t(Lq * D), 0.0f);
@@ -209,6 +211,10 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
           if (tj == -INFINITY) continue;
           const float p = std::exp2(tj - mn);
           ps += p;
+          if (vmode == 2) {
+            for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p * v[size_t(j * D + c)];
+            continue;
+          }
           const float p8 = e4m3_reference(p * 448.0f);
           for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p8 * v8[size_t(j * D + c)];
         }
@@ -219,7 +225,8 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
     if (l == 0) continue;
     double qmu = 0;
     for (int64_t c = 0; c < D; ++c) qmu += double(q[size_t(i * D + c)]) * double(mu[size_t(c)]);
-    for (int64_t c = 0; c < D; ++c) out[size_t(i * D + c)] = acc[size_t(c)] * (sv[size_t(c)] / 448.0f) / l;
+    for (int64_t c = 0; c < D; ++c)
+      out[size_t(i * D + c)] = vmode == 2 ? acc[size_t(c)] / l : acc[size_t(c)] * (sv[size_t(c)] / 448.0f) / l;
     lse[size_t(i)] = m * 0.693147180559945309f + std::log(l) + float(double(scale) * qmu);
   }
 }
@@ -236,14 +243,16 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
   // tiles are not consecutive (e.g. 0, 2, 3, 5, 6) and pairing listed tiles
   // differs from pairing fixed 128-key windows; 450 keys end in a ragged tile.
   for (int layout : {0, 1})
-  for (bool split_v : {false, true})
+  for (int vmode : {0, 1, 2})
   for (bool causal : {false, true})
     for (bool smooth : {false, true}) {
-      INFO("layout " << layout << " split_v " << split_v << " causal " << causal << " smooth " << smooth);
+      INFO("layout " << layout << " vmode " << vmode << " causal " << causal << " smooth " << smooth);
+      const sparge_precision_t prec = vmode == 0   ? SPARGE_PRECISION_INT8_FP8
+                                      : vmode == 1 ? SPARGE_PRECISION_INT8_FP8_SPLIT_V
+                                                   : SPARGE_PRECISION_INT8_FP16;
       const int64_t Lq = 150, Lkv = layout == 0 ? 200 : 450, D = 40;
       const int bq = 32, bk = layout == 0 ? 16 : 64;
-      auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32,
-                              split_v ? SPARGE_PRECISION_INT8_FP8_SPLIT_V : SPARGE_PRECISION_INT8_FP8, causal);
+      auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, prec, causal);
       prob.block_q = bq;
       prob.block_k = bk;
       prob.scale = 0.2f;
@@ -273,7 +282,7 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
       REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
       std::vector<float> ro, rl;
       auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
-      twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, smooth, split_v, ro, rl);
+      twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, smooth, vmode, ro, rl);
       int64_t mismatches = 0;
       for (int64_t i = 0; i < Lq; ++i) {
         const float a = lse.get(0, 0, i), b = rl[size_t(i)];

@@ -115,6 +115,7 @@ const char* precision_name(sparge_precision_t p) {
     case SPARGE_PRECISION_FP16: return "fp16";
     case SPARGE_PRECISION_EXACT: return "exact";
     case SPARGE_PRECISION_INT8_FP8_SPLIT_V: return "int8_fp8_split_v";
+    case SPARGE_PRECISION_INT8_FP16: return "int8_fp16";
     default: return "?";
   }
 }

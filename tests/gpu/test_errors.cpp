@@ -189,7 +189,7 @@ TEST_CASE("CUDA plan: unsupported problems fail at plan creation", "[gpu][errors
 }
 
 TEST_CASE("CUDA: outputs whose rows the kernels cannot store are refused, naming out", "[gpu][errors][sanitize]") {
-  for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16}) {
+  for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_INT8_FP16, SPARGE_PRECISION_FP16}) {
     Fixture f(prec);
     INFO(precision_name(prec));
     const Shape& s = f.s;
@@ -213,4 +213,23 @@ TEST_CASE("CUDA: outputs whose rows the kernels cannot store are refused, naming
     CHECK(f.run_ok() == SPARGE_OK);
     CHECK(cudaGetLastError() == cudaSuccess);
   }
+}
+
+// INT8_FP16 reads V through a TMA tensor map and has no other path: a V whose
+// rows start on odd 2-byte boundaries is refused before anything runs.
+TEST_CASE("CUDA: INT8_FP16 refuses a V no tensor map can describe, naming v", "[gpu][errors][sanitize]") {
+  Fixture f(SPARGE_PRECISION_INT8_FP16);
+  const Shape& s = f.s;
+  const int64_t pitch = s.D + 1;
+  DeviceBuffer odd(static_cast<size_t>(s.B * s.Hkv * s.Lkv * pitch) * 2 + 64);
+  odd.fill(0x3c);  // finite bf16 values, in case anything read them
+  const int64_t vsh[4] = {s.B, s.Hkv, s.Lkv, s.D}, vst[4] = {s.Hkv * s.Lkv * pitch, s.Lkv * pitch, pitch, 1};
+  const sparge_tensor_t v_odd = make_desc(odd.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_BFLOAT16, 4, vsh, vst);
+  f.out.fill(0xFF);
+  const sparge_status_t st = f.run(f.q, f.k, v_odd, &f.m, f.o, &f.l, f.ws.get(), f.wsb);
+  INFO(sparge_status_string(st) << " " << sparge_last_error());
+  CHECK(st == SPARGE_ERR_UNSUPPORTED);
+  CHECK(names_word(sparge_last_error(), "v"));
+  CHECK(f.run_ok() == SPARGE_OK);
+  CHECK(cudaGetLastError() == cudaSuccess);
 }

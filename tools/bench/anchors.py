@@ -30,7 +30,7 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------- C API (ctypes)
 SPARGE_DTYPE_FLOAT16, SPARGE_DTYPE_BFLOAT16, SPARGE_DTYPE_FLOAT32, SPARGE_DTYPE_UINT8, SPARGE_DTYPE_INT32 = range(5)
 SPARGE_DEVICE_CUDA = 1
-SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16, SPARGE_PRECISION_INT8_FP8_SPLIT_V = 0, 1, 3
+SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16, SPARGE_PRECISION_INT8_FP8_SPLIT_V, SPARGE_PRECISION_INT8_FP16 = 0, 1, 3, 4
 
 
 class Tensor(ctypes.Structure):
@@ -245,6 +245,9 @@ def accuracy(args, rows):
                      ("libsparge int8_fp8_split_v, all blocks",
                       lambda: sp.attention(q, k, v, SPARGE_PRECISION_INT8_FP8_SPLIT_V, causal, ones),
                       "cos>=0.9995, L1<=0.03"),
+                     ("libsparge int8_fp16, all blocks",
+                      lambda: sp.attention(q, k, v, SPARGE_PRECISION_INT8_FP16, causal, ones),
+                      "cos>=0.9995, L1<=0.03"),
                      ("libsparge fp16, all blocks", lambda: sp.attention(q, k, v, SPARGE_PRECISION_FP16, causal, ones),
                       "L1<=0.005"),
                      ("libsparge int8_fp8, topk 0.5", lambda: sp.attention(q, k, v, SPARGE_PRECISION_INT8_FP8, causal,
@@ -284,15 +287,16 @@ def side_by_side(path, results):
             except (KeyError, ValueError):
                 continue
     print("\n## Side by side (ms; speed-up = cuDNN ms / libsparge ms)\n")
-    print("| N | D | causal | cuDNN | FA2 | libsparge int8_fp8 dense | x cuDNN | libsparge fp16 dense | x cuDNN "
-          "| pred+attn topk | x cuDNN |")
-    print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| N | D | causal | cuDNN | FA2 | libsparge int8_fp8 dense | x cuDNN | libsparge int8_fp16 dense | x cuDNN "
+          "| libsparge fp16 dense | x cuDNN | pred+attn topk | x cuDNN |")
+    print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     keys = sorted({(n, d, c) for (n, d, c, _, _) in ours}, key=lambda t: (-t[1], t[0], t[2]))
     for n, d, c in keys:
         cud = results.get((n, d, c, "cuDNN"))
         fa = results.get((n, d, c, "FA2 (FLASH_ATTENTION)"))
         cells = []
-        for key in ((n, d, c, "dense", "int8_fp8"), (n, d, c, "dense", "fp16"), (n, d, c, "pred+attn", "int8_fp8")):
+        for key in ((n, d, c, "dense", "int8_fp8"), (n, d, c, "dense", "int8_fp16"), (n, d, c, "dense", "fp16"),
+                    (n, d, c, "pred+attn", "int8_fp8")):
             ms = ours.get(key)
             if ms is None or math.isnan(ms):
                 cells += ["-", "-"]

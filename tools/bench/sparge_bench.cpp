@@ -11,6 +11,9 @@
 //   fp16sparse fp16-mode attention on random block masks of density 0.5, 0.2,
 //              0.1 (ratio and target against fp16-mode dense)
 //   splitv     int8_fp8_split_v attention on an all-ones mask
+//   i8f16      int8_fp16 attention on an all-ones mask
+//   i8f16sparse int8_fp16 attention on random block masks of density 0.5, 0.2,
+//              0.1 (ratio and target against int8_fp16 dense)
 // Each measurement: warm-up, then the median of many iterations (each timed by
 // its own pair of events), rotating among several input sets when one set is
 // small against the L2 cache. Prints a markdown table; --csv writes CSV.
@@ -39,7 +42,8 @@ struct Options {
   std::vector<int64_t> ds = {128, 64};
   std::vector<int> causal = {0, 1};
   std::vector<std::string> modes = {"dense",     "d0.5", "d0.2",       "d0.1",
-                                    "predict",   "pred+attn", "fp16", "fp16sparse", "splitv"};
+                                    "predict",   "pred+attn", "fp16", "fp16sparse", "splitv",
+                                    "i8f16",     "i8f16sparse"};
   int64_t batch = 1, heads = 32;
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
@@ -76,7 +80,8 @@ void usage() {
       "  --n64k            add N = 64K\n"
       "  --d LIST          head dims (default 128,64)\n"
       "  --causal LIST     0,1 (default both)\n"
-      "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16,fp16sparse,splitv (default all)\n"
+      "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16,fp16sparse,splitv,\n"
+      "                    i8f16,i8f16sparse (default all)\n"
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
       "  --lse             also write the LSE output\n"
@@ -312,7 +317,7 @@ int main(int argc, char** argv) {
         sparge_problem_t pr = SPARGE_PROBLEM_INIT;
         pr.batch = B, pr.heads_q = H, pr.heads_kv = H, pr.len_q = N, pr.len_kv = N, pr.head_dim = D;
         pr.dtype = o.dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.causal = causal;
-        sparge_plan_t plan8 = nullptr, plan16 = nullptr, plan_sv = nullptr;
+        sparge_plan_t plan8 = nullptr, plan16 = nullptr, plan_sv = nullptr, plan_if = nullptr;
         pr.precision = SPARGE_PRECISION_INT8_FP8;
         const sparge_status_t s8 = sparge_create_plan(&pr, &plan8);
         const std::string e8 = s8 == SPARGE_OK ? "" : sparge_last_error();
@@ -322,11 +327,15 @@ int main(int argc, char** argv) {
         pr.precision = SPARGE_PRECISION_INT8_FP8_SPLIT_V;
         const sparge_status_t ssv = sparge_create_plan(&pr, &plan_sv);
         const std::string esv = ssv == SPARGE_OK ? "" : sparge_last_error();
-        size_t w8 = 0, w16 = 0, wsv = 0;
+        pr.precision = SPARGE_PRECISION_INT8_FP16;
+        const sparge_status_t sif = sparge_create_plan(&pr, &plan_if);
+        const std::string eif = sif == SPARGE_OK ? "" : sparge_last_error();
+        size_t w8 = 0, w16 = 0, wsv = 0, wif = 0;
         if (plan8) sparge_plan_workspace_size(plan8, &w8);
         if (plan16) sparge_plan_workspace_size(plan16, &w16);
         if (plan_sv) sparge_plan_workspace_size(plan_sv, &wsv);
-        Buf ws(std::max(std::max(w8, w16), wsv));
+        if (plan_if) sparge_plan_workspace_size(plan_if, &wif);
+        Buf ws(std::max(std::max(w8, w16), std::max(wsv, wif)));
 
         // Block masks: all ones; random at each density over visible blocks.
         std::vector<int64_t> visible_rows(static_cast<size_t>(nQB));
@@ -524,6 +533,12 @@ int main(int argc, char** argv) {
           for (double d : {0.5, 0.2, 0.1}) sparse_row(plan16, w16, "fp16", d, dense16);
         }
         if (has("splitv")) dense_other(plan_sv, wsv, esv, "int8_fp8_split_v");
+        if (has("i8f16") || has("i8f16sparse")) dense_other(plan_if, wif, eif, "int8_fp16");
+        if (has("i8f16sparse") && plan_if) {
+          const double dense_if = rows.back().ms;
+          for (double d : {0.5, 0.2, 0.1}) sparse_row(plan_if, wif, "int8_fp16", d, dense_if);
+        }
+        sparge_destroy_plan(plan_if);
         sparge_destroy_plan(plan8);
         sparge_destroy_plan(plan16);
         sparge_destroy_plan(plan_sv);

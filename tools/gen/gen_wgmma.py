@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Generates src/cuda/attention/sm90/wgmma_ops.cuh: inline-PTX wrappers for the
-wgmma shapes the sm_90a kernels use (INT8_FP8 and FP16 modes). Inline asm operand lists cannot be built
+wgmma shapes the sm_90a kernels use (INT8_FP8, INT8_FP16 and FP16 modes). Inline asm operand lists cannot be built
 with templates, so they are written out here once.
 
 Usage: python3 tools/gen/gen_wgmma.py > src/cuda/attention/sm90/wgmma_ops.cuh
@@ -90,7 +90,7 @@ def main():
     print("#include <cstdint>")
     print()
     print("namespace sparge {\nnamespace cuda {\nnamespace sm90 {\n")
-    for n in (64, 128):
+    for n in (64, 128, 192):
         print(gen_ss_s8(n))
         print()
     for n in (64, 128):

@@ -701,7 +701,7 @@ sparge_status_t check_int8fp8_out(const Tensor4& o) {
   for (int d = 0; d < 3; ++d) even = even && (o.shape[d] <= 1 || o.stride[d] % 2 == 0);
   if (even) return SPARGE_OK;
   return fail(SPARGE_ERR_UNSUPPORTED,
-              "out: the int8_fp8 CUDA kernel writes pairs of elements and needs a 4-byte aligned data pointer "
+              "out: the int8 CUDA kernels write pairs of elements and need a 4-byte aligned data pointer "
               "and even batch/head/row strides (got strides %lld, %lld, %lld)",
               static_cast<long long>(o.stride[0]), static_cast<long long>(o.stride[1]),
               static_cast<long long>(o.stride[2]));
