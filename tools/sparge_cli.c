@@ -153,6 +153,7 @@ static const char* precision_name(sparge_precision_t p) {
     case SPARGE_PRECISION_FP16: return "fp16";
     case SPARGE_PRECISION_EXACT: return "exact";
     case SPARGE_PRECISION_INT8_FP8_SPLIT_V: return "int8_fp8_split_v";
+    case SPARGE_PRECISION_INT8_FP16: return "int8_fp16";
     default: return "?";
   }
 }
@@ -226,9 +227,10 @@ static void usage(FILE* f) {
           "  --sim-threshold X      self-similarity threshold (default -0.1: off)\n"
           "  --sink                 always keep the first key block\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
-          "  --precision int8_fp8|int8_fp8_split_v|fp16|exact\n"
+          "  --precision int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
           "                         (default int8_fp8; int8_fp8_split_v: V as two e4m3 terms,\n"
-          "                         smaller P.V error, one more fp8 P.V product; exact: CPU only)\n"
+          "                         smaller P.V error, one more fp8 P.V product; int8_fp16:\n"
+          "                         int8 Q.K, P in 16 bits, V as given; exact: CPU only)\n"
           "  --iters N              timed calls per measurement (default: cuda 20, cpu 3)\n"
           "  --warmup N             untimed calls first (default: cuda 3, cpu 1)\n"
           "  --seed N               random seed (default 0)\n"
@@ -351,8 +353,11 @@ static void parse_args(int argc, char** argv, options_t* o) {
         o->precision = SPARGE_PRECISION_EXACT;
       else if (v && !strcmp(v, "int8_fp8_split_v"))
         o->precision = SPARGE_PRECISION_INT8_FP8_SPLIT_V;
+      else if (v && !strcmp(v, "int8_fp16"))
+        o->precision = SPARGE_PRECISION_INT8_FP16;
       else
-        die(2, "--precision: expected int8_fp8, int8_fp8_split_v, fp16 or exact, got '%s'", v ? v : "");
+        die(2, "--precision: expected int8_fp8, int8_fp8_split_v, int8_fp16, fp16 or exact, got '%s'",
+            v ? v : "");
     } else if (!strcmp(flag, "--iters")) {
       parse_i64(flag, VALUE(), 1, &n);
       o->iters = (int)n;

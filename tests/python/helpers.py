@@ -23,4 +23,5 @@ TOL = {
     "fp16": dict(rel_l1=6e-3),
     "int8_fp8": dict(rel_l1=6e-2, cos=0.995),
     "int8_fp8_split_v": dict(rel_l1=6e-2, cos=0.995),
+    "int8_fp16": dict(rel_l1=2e-2, cos=0.999),
 }

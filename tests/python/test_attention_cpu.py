@@ -8,7 +8,7 @@ import sparge
 from helpers import TOL, make_qkv
 
 PRECISION_DTYPES = [("exact", np.float32), ("fp16", np.float16), ("int8_fp8", np.float16),
-                    ("int8_fp8_split_v", np.float16)]
+                    ("int8_fp8_split_v", np.float16), ("int8_fp16", np.float16)]
 
 
 def assert_close(out, expect, precision, what="out"):
@@ -23,8 +23,9 @@ def assert_close(out, expect, precision, what="out"):
         if out.size < 1024 and precision.startswith("int8"):
             # A few output rows carry the e4m3 rounding of P and V without averaging:
             # Lq=1, two heads of D=32 (64 values) measured rel-L1 up to 0.064 over 8000
-            # seeds (median 0.036), against <= 0.036 for 8K values.
-            bar = 0.09
+            # seeds (median 0.036), against <= 0.036 for 8K values. int8_fp16 (the int8
+            # Q.K^T error alone): up to 0.021 over 800 seeds (median 0.009).
+            bar = 0.04 if precision == "int8_fp16" else 0.09
         assert err <= bar, "%s rel-L1 %.4g > %.4g" % (what, err, bar)
         if "cos" in t:
             c = ref.cosine(out, expect)
@@ -39,7 +40,7 @@ def check_lse(lse, expect, precision):
     assert np.all(lse[~fin] == -np.inf)
     # int8 Q·K: a row with few keys has the quantization error of a single dot product
     atol, rtol = {"exact": (1e-4, 1e-4), "fp16": (1e-2, 1e-2), "int8_fp8": (6e-2, 2e-2),
-                  "int8_fp8_split_v": (6e-2, 2e-2)}[precision]
+                  "int8_fp8_split_v": (6e-2, 2e-2), "int8_fp16": (6e-2, 2e-2)}[precision]
     np.testing.assert_allclose(lse[fin], expect[fin], atol=atol, rtol=rtol)
 
 
@@ -73,7 +74,7 @@ def test_sparse_equals_reference_on_predicted_mask(rng, precision, dtype, layout
 
 @pytest.mark.parametrize("Lq,Lkv", [(100, 300), (300, 100), (129, 64), (1, 257), (200, 200)])
 @pytest.mark.parametrize("precision,dtype", [("exact", np.float32), ("int8_fp8", np.float16),
-                                             ("int8_fp8_split_v", np.float16)])
+                                             ("int8_fp8_split_v", np.float16), ("int8_fp16", np.float16)])
 def test_causal_bottom_right_lq_ne_lkv(rng, Lq, Lkv, precision, dtype):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=Lq, Lkv=Lkv, D=32, dtype=dtype)
     out, lse = sparge.attention(q, k, v, topk=1.0, is_causal=True, precision=precision, return_lse=True)

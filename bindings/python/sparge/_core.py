@@ -19,7 +19,7 @@ from ._arrays import View, as_view, dtype_name
 LAYOUTS = {"HND": 0, "NHD": 1}
 MODES = {"topk": C.SELECT_TOPK, "cdf": C.SELECT_CDF}
 PRECISIONS = {"int8_fp8": C.PRECISION_INT8_FP8, "fp16": C.PRECISION_FP16, "exact": C.PRECISION_EXACT,
-              "int8_fp8_split_v": C.PRECISION_INT8_FP8_SPLIT_V}
+              "int8_fp8_split_v": C.PRECISION_INT8_FP8_SPLIT_V, "int8_fp16": C.PRECISION_INT8_FP16}
 
 # logical [B, H, L, D] dim i is dim PERM[layout][i] of the user's tensor
 PERM = {0: (0, 1, 2, 3), 1: (0, 2, 1, 3)}
@@ -63,7 +63,7 @@ def parse_mode(mode: str) -> int:
 
 def parse_precision(precision: str) -> int:
     if precision not in PRECISIONS:
-        raise _arg_error("precision must be 'int8_fp8', 'int8_fp8_split_v', 'fp16' or 'exact', got %r"
+        raise _arg_error("precision must be 'int8_fp8', 'int8_fp8_split_v', 'int8_fp16', 'fp16' or 'exact', got %r"
                          % (precision,))
     return PRECISIONS[precision]
 

@@ -43,6 +43,7 @@ pub const SPARGE_PRECISION_INT8_FP8: sparge_precision_t = 0;
 pub const SPARGE_PRECISION_FP16: sparge_precision_t = 1;
 pub const SPARGE_PRECISION_EXACT: sparge_precision_t = 2;
 pub const SPARGE_PRECISION_INT8_FP8_SPLIT_V: sparge_precision_t = 3;
+pub const SPARGE_PRECISION_INT8_FP16: sparge_precision_t = 4;
 
 pub type sparge_select_mode_t = c_int;
 pub const SPARGE_SELECT_TOPK: sparge_select_mode_t = 0;

@@ -211,6 +211,30 @@ fn int8_fp8_split_v_precision_is_closer_to_reference_than_int8_fp8() {
 }
 
 #[test]
+fn int8_fp16_precision_is_closer_to_reference_than_int8_fp8() {
+    let (hq, lq, lkv, d) = (2usize, 128usize, 1024usize, 64usize);
+    let mut r = Rng(13);
+    let (q, k, v) = (r.vec(hq * lq * d), r.vec(hq * lkv * d), r.vec(hq * lkv * d));
+    let mut err = Vec::new();
+    for precision in [Precision::Int8Fp8, Precision::Int8Fp16] {
+        let prob = Problem::new(1, hq as i64, hq as i64, lq as i64, lkv as i64, d as i64).dtype(DType::F32).precision(precision);
+        let plan = Plan::new(&prob).unwrap();
+        assert_eq!(plan.problem().precision, precision);
+        let ones = vec![1u8; plan.mask_shape().iter().product::<i64>() as usize];
+        let mut out = vec![0f32; q.len()];
+        plan.attention(&q, &k, &v, Some(&ones), None, &mut out, None).unwrap();
+        let (ref_out, _) = reference(plan.problem(), &q, &k, &v, None);
+        let bar = if precision == Precision::Int8Fp16 { 0.9995 } else { 0.995 };
+        assert!(cosine(&out, &ref_out) > bar, "{precision:?}: cos {}", cosine(&out, &ref_out));
+        err.push(rel_l1(&out, &ref_out));
+    }
+    // P and V without fp8 rounding: only the int8 Q.K^T error is left.
+    eprintln!("rel-L1 int8_fp8 {:.4} vs int8_fp16 {:.4}", err[0], err[1]);
+    assert!(err[1] < 0.02, "rel-L1 int8_fp16 {}", err[1]);
+    assert!(err[1] < 0.5 * err[0], "rel-L1 int8_fp8 {} vs int8_fp16 {}", err[0], err[1]);
+}
+
+#[test]
 fn bad_inputs_are_errors_with_messages() {
     // Hq not a multiple of Hkv: rejected by the library.
     let e = Plan::new(&exact_problem(1, 3, 2, 64, 64, 16, false)).unwrap_err();
