@@ -65,6 +65,19 @@ template <int D>
 struct StepBlocks {
   static constexpr int value = (D == 64) ? 3 : 2;
 };
+// INT8_FP16 build switches for A/B runs (docs/PERF-NOTES.md v26): the exact
+// int -> float of the scores at D = 64 by I2FP (0), by the two-op trick (1),
+// or as measured best per instantiation (-1, default: the trick for causal,
+// -2.0..-2.9 %; I2FP otherwise, where the trick cost +0.5..+1.5 %); every
+// SPARGE_I8F16_POLY_EVERY-th exponential at D = 64 by poly_exp2 on the FMA
+// pipe (0, default: none; every 4th measured -1.6..+1.2 %, and +6 % together
+// with the trick).
+#ifndef SPARGE_I8F16_D64_CVT
+#define SPARGE_I8F16_D64_CVT -1
+#endif
+#ifndef SPARGE_I8F16_POLY_EVERY
+#define SPARGE_I8F16_POLY_EVERY 0
+#endif
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 
@@ -340,14 +353,17 @@ struct Consumer16 {
           const int j = 8 * ks + jj;
           float arg;
           if constexpr (kI8) {
-            // Exact int -> float: I2FP at D = 64, the two-op trick at D = 128
-            // (as in the INT8_FP8 kernel).
-            const float sj = (D == 64) ? __int2float_rn(s[j]) : small_int_to_float(s[j]);
+            // Exact int -> float: the two-op trick, or I2FP at D = 64 where it
+            // measured faster (non-causal; see SPARGE_I8F16_D64_CVT).
+            constexpr bool kI2fp =
+                D == 64 && (SPARGE_I8F16_D64_CVT == 0 || (SPARGE_I8F16_D64_CVT < 0 && !kCausal));
+            const float sj = kI2fp ? __int2float_rn(s[j]) : small_int_to_float(s[j]);
             arg = fmaf(sj, (j & 2) ? st.f1[j / 32] : st.f0[j / 32], (j & 2) ? st.c1 : st.c0);
           } else {
             arg = fmaf(s[j], sc, (j & 2) ? st.c1 : st.c0);
           }
-          x[jj] = fast_exp2(arg);
+          constexpr int kPoly = (kI8 && D == 64) ? SPARGE_I8F16_POLY_EVERY : 0;
+          x[jj] = (kPoly > 0 && jj % (kPoly > 0 ? kPoly : 1) == kPoly - 1) ? poly_exp2(arg) : fast_exp2(arg);
           if constexpr (decltype(masked_c)::value) {
             if (s[j] == kMaskedS) x[jj] = 0.f;
           }
