@@ -3,9 +3,13 @@
 // stream: no allocation, no host synchronization (CUDA-graph capturable).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "core/backend.hpp"
 #include "core/error.hpp"
 #include "cuda/internal.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/predict/predict.cuh"
 
 namespace sparge {
@@ -52,6 +56,14 @@ MaskView workspace_mask(const Problem& p, void* ws, size_t off) {
 }  // namespace
 
 bool built() { return true; }
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPARGE_PDL");
+    return !(e != nullptr && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
 
 sparge_status_t check_device(const Problem& p, int* sm_version) {
   if (sm_version) *sm_version = 0;

@@ -4,6 +4,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/internal.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/predict/predict.cuh"
 
 namespace sparge {
@@ -22,6 +23,7 @@ struct ListArgs {
 // One warp per (bh, qb) row: ballot-compaction of the nonzero mask entries
 // among the visible key blocks.
 __global__ void __launch_bounds__(kListWarps * 32) mask_to_lists_kernel(const ListArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   const Problem& p = a.prob;
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kListWarps + (threadIdx.x >> 5);
@@ -71,6 +73,7 @@ constexpr int kOrderThreads = 512;
 
 __global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __restrict__ cnt, int64_t group_rows,
                                                               int nbins, int32_t* __restrict__ order) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   extern __shared__ int hist[];  // nbins = nKB + 1 counters
   __shared__ int wsum[kOrderThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -136,17 +139,18 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
   la.mask = mask;
   la.idx = ws_ptr<int32_t>(base, L.idx);
   la.cnt = ws_ptr<int32_t>(base, L.cnt);
-  mask_to_lists_kernel<<<unsigned(ceil_div(rows, kListWarps)), kListWarps * 32, 0, stream>>>(la);
-  SPARGE_LAUNCH_CHECK("sparge mask-to-lists kernel");
+  SPARGE_PDL_CHECK(launch_pdl(mask_to_lists_kernel, dim3(unsigned(ceil_div(rows, kListWarps))),
+                              dim3(kListWarps * 32), 0, stream, la),
+                   "sparge mask-to-lists kernel");
 
   const int nbins = int(p.nKB + 1);
   const size_t smem = size_t(nbins) * sizeof(int);
   if (smem > 48 * 1024)
     SPARGE_CUDA_TRY(cudaFuncSetAttribute(order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int64_t groups = p.B * p.Hkv, group_rows = p.group() * p.nQB;
-  order_kernel<<<unsigned(groups), kOrderThreads, smem, stream>>>(la.cnt, group_rows, nbins,
-                                                                  ws_ptr<int32_t>(base, L.order));
-  SPARGE_LAUNCH_CHECK("sparge work-order kernel");
+  SPARGE_PDL_CHECK(launch_pdl(order_kernel, dim3(unsigned(groups)), dim3(kOrderThreads), smem, stream,
+                              static_cast<const int32_t*>(la.cnt), group_rows, nbins, ws_ptr<int32_t>(base, L.order)),
+                   "sparge work-order kernel");
   return SPARGE_OK;
 }
 

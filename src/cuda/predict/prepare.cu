@@ -16,6 +16,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/internal.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/predict/predict.cuh"
 
 namespace sparge {
@@ -43,6 +44,7 @@ struct ColArgs {
 // covers one 64-key block (chunks start at block boundaries).
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   constexpr int TPR = D / 8, RPI = kThreads / TPR, U = kGpuBlockK / RPI, NW = kThreads / 32;
   static_assert(kGpuColChunk % kGpuBlockK == 0, "chunks must start at key-block boundaries");
   __shared__ float spool[NW][D];
@@ -158,6 +160,7 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
                                                                    int64_t Lkv, int D, bool do_k, bool do_v,
                                                                    float* __restrict__ k_mean,
                                                                    float* __restrict__ v_amax) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   __shared__ double ssum[kFinThreads];
   __shared__ float smax[kFinThreads];
   const int64_t bhk = blockIdx.x;
@@ -198,6 +201,7 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
 // pooled_k[bhk, kb, :] -= k_mean[bhk, :] (raw pooled means -> smoothed ones).
 __global__ void pooled_sub_mean_kernel(float4* __restrict__ pooled, const float4* __restrict__ mean, int64_t nKB,
                                        int D4, int64_t total4) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total4; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c4 = i % D4, bhk = i / (D4 * nKB);
     float4 v = pooled[i];
@@ -323,6 +327,7 @@ struct QArgs {
 // One CTA per (b, h, 128-row query block).
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI, NW = kThreads / 32;
   __shared__ float red[2 * NW * D + 32];
   const uint32_t qb = blockIdx.x % uint32_t(a.nQB), bh = blockIdx.x / uint32_t(a.nQB);
@@ -387,6 +392,7 @@ struct KArgs {
 // One CTA per (b, hkv, 64-key block).
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockK / RPI, NW = kThreads / 32;
   __shared__ float red[2 * NW * D + 32];
   __shared__ float fred[32];
@@ -461,6 +467,7 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t code) {
 // row of the tile is a contiguous 128-byte store of the warp.
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   const uint32_t tile = blockIdx.x % uint32_t(a.ntile), bhk = blockIdx.x / uint32_t(a.ntile);
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = warp * 8;
@@ -596,21 +603,24 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ca.kpool = fused_kpool ? ws_ptr<float>(base, L.pooled_k) : nullptr;
     ca.ksim = fused_kpool ? ws_ptr<float>(base, L.sim_k) : nullptr;
     const bool vec = vec_ok(k) && (!do_v || vec_ok(*v));
+    cudaError_t err = cudaSuccess;
     dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      col_partial_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
-          <<<unsigned(bhk * nchunk), kThreads, 0, stream>>>(ca);
+      err = launch_pdl(col_partial_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
+                       dim3(unsigned(bhk * nchunk)), dim3(kThreads), 0, stream, ca);
     });
-    SPARGE_LAUNCH_CHECK("sparge column statistics kernel");
+    SPARGE_PDL_CHECK(err, "sparge column statistics kernel");
   }
-  col_finalize_kernel<<<unsigned(bhk), kFinThreads, 0, stream>>>(ksum, vmax, nchunk, p.Lkv, int(p.D), do_k,
-                                                                   do_v, k_mean, do_v ? v_amax : nullptr);
-  SPARGE_LAUNCH_CHECK("sparge column statistics finalize kernel");
+  SPARGE_PDL_CHECK(launch_pdl(col_finalize_kernel, dim3(unsigned(bhk)), dim3(kFinThreads), 0, stream,
+                              static_cast<const double*>(ksum), static_cast<const float*>(vmax), nchunk, p.Lkv,
+                              int(p.D), do_k, do_v, k_mean, do_v ? v_amax : nullptr),
+                   "sparge column statistics finalize kernel");
   if (fused_kpool) {
     const int64_t total4 = bhk * p.nKB * p.D / 4;
     const int64_t blocks = std::min<int64_t>(ceil_div(total4, 256), 132 * 16);
-    pooled_sub_mean_kernel<<<unsigned(blocks), 256, 0, stream>>>(
-        ws_ptr<float4>(base, L.pooled_k), reinterpret_cast<const float4*>(k_mean), p.nKB, int(p.D / 4), total4);
-    SPARGE_LAUNCH_CHECK("sparge pooled-K smoothing kernel");
+    SPARGE_PDL_CHECK(launch_pdl(pooled_sub_mean_kernel, dim3(unsigned(blocks)), dim3(256), 0, stream,
+                                ws_ptr<float4>(base, L.pooled_k), reinterpret_cast<const float4*>(k_mean), p.nKB,
+                                int(p.D / 4), total4),
+                     "sparge pooled-K smoothing kernel");
   }
 
   // 2. Q pass
@@ -627,11 +637,12 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.q_scale = quant ? ws_ptr<float>(base, L.q_scale) : nullptr;
     qa.q_mu = quant ? ws_ptr<float>(base, L.q_mu) : nullptr;
     const bool vec = vec_ok(q);
+    cudaError_t err = cudaSuccess;
     dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      q_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
-          <<<unsigned(bhq * p.nQB), kThreads, 0, stream>>>(qa);
+      err = launch_pdl(q_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
+                       dim3(unsigned(bhq * p.nQB)), dim3(kThreads), 0, stream, qa);
     });
-    SPARGE_LAUNCH_CHECK("sparge Q pass kernel");
+    SPARGE_PDL_CHECK(err, "sparge Q pass kernel");
   }
 
   // 3. K pass
@@ -646,11 +657,12 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ka.k_i8 = quant ? ws_ptr<int8_t>(base, L.k_i8) : nullptr;
     ka.k_scale = quant ? ws_ptr<float>(base, L.k_scale) : nullptr;
     const bool vec = vec_ok(k);
+    cudaError_t err = cudaSuccess;
     dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      k_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
-          <<<unsigned(bhk * p.nKB), kThreads, 0, stream>>>(ka);
+      err = launch_pdl(k_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
+                       dim3(unsigned(bhk * p.nKB)), dim3(kThreads), 0, stream, ka);
     });
-    SPARGE_LAUNCH_CHECK("sparge K pass kernel");
+    SPARGE_PDL_CHECK(err, "sparge K pass kernel");
   }
 
   // 4. V pass
@@ -663,11 +675,12 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     va.v_f8_lo = p.split_v() ? ws_ptr<uint8_t>(base, L.v_f8_lo) : nullptr;
     const bool vec = vec_ok(*v);
     if (!grid_ok(bhk * va.ntile)) return fail(SPARGE_ERR_UNSUPPORTED, "V pass grid too large");
+    cudaError_t err = cudaSuccess;
     dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      v_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>
-          <<<unsigned(bhk * va.ntile), decltype(dc)::value * 4, 0, stream>>>(va);
+      err = launch_pdl(v_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
+                       dim3(unsigned(bhk * va.ntile)), dim3(decltype(dc)::value * 4), 0, stream, va);
     });
-    SPARGE_LAUNCH_CHECK("sparge V pass kernel");
+    SPARGE_PDL_CHECK(err, "sparge V pass kernel");
   }
   return SPARGE_OK;
 }

@@ -5,6 +5,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/internal.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/predict/predict.cuh"
 
 namespace sparge {
@@ -33,6 +34,7 @@ struct ScoreArgs {
 };
 
 __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   __shared__ __align__(16) float sq[kSDC][kST];
   __shared__ __align__(16) float sk[kSDC][kST];
   const Problem& p = a.prob;
@@ -219,6 +221,7 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
 
 // Dynamic shared memory: nKB probability bit patterns (u32) + nKB flags.
 __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   extern __shared__ __align__(16) unsigned char smem[];
   const Problem& p = a.prob;
   const PredictConfig& cfg = a.cfg;
@@ -314,8 +317,8 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   sa.kept = kept_ptr, sa.kept_s0 = ks0, sa.kept_s1 = ks1;
   const int64_t nsb = bhq * sa.ntq * sa.ntk;
   if (nsb > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "score grid too large");
-  scores_kernel<<<unsigned(nsb), kSThreads, 0, stream>>>(sa);
-  SPARGE_LAUNCH_CHECK("sparge pooled scores kernel");
+  SPARGE_PDL_CHECK(launch_pdl(scores_kernel, dim3(unsigned(nsb)), dim3(kSThreads), 0, stream, sa),
+                   "sparge pooled scores kernel");
 
   SelectArgs se;
   se.prob = p;
@@ -328,8 +331,8 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   const size_t smem = size_t(p.nKB) * (sizeof(uint32_t) + 1);
   if (smem > 48 * 1024)
     SPARGE_CUDA_TRY(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  select_kernel<<<unsigned(bhq * p.nQB), 32, smem, stream>>>(se);
-  SPARGE_LAUNCH_CHECK("sparge block selection kernel");
+  SPARGE_PDL_CHECK(launch_pdl(select_kernel, dim3(unsigned(bhq * p.nQB)), dim3(32), smem, stream, se),
+                   "sparge block selection kernel");
   return SPARGE_OK;
 }
 

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "cuda/internal.cuh"
+#include "cuda/launch.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -144,6 +145,7 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // ------------------------------------------------------------ kernel
 template <class T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(const Params p) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   static_assert(D == 64 || D == 128, "head dim");
   constexpr int kStages = stages<D>();
   constexpr int kChunks = D / 8;   // 16-byte chunks per row
@@ -421,8 +423,8 @@ sparge_status_t launch(const Params& p, int64_t grid, cudaStream_t stream) {
   auto* kern = attn_fp16_kernel<T, D, kCausal>;
   constexpr int smem = smem_bytes<D>();
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kern<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p);
-  SPARGE_LAUNCH_CHECK("attn_fp16_kernel");
+  SPARGE_PDL_CHECK(launch_pdl(kern, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem, stream, p),
+                   "attn_fp16_kernel");
   return SPARGE_OK;
 }
 

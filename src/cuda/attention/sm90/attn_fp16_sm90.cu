@@ -48,6 +48,7 @@
 #include "cuda/attention/sm90/tensor_map.hpp"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
 #include "cuda/internal.cuh"
+#include "cuda/launch.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -436,6 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                           const Params16 p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   using L = Layout16<D, kI8>;
   using C = Consumer16<T, D, kCausal, kI8>;
   constexpr int kStages = L::kStages;
@@ -576,8 +578,8 @@ sparge_status_t launch16(const CUtensorMap& tq, const CUtensorMap& tk, const CUt
   static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
   auto kernel = attn_fp16_sm90_kernel<T, D, kCausal, kI8>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
-  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, to, prm);
-  SPARGE_LAUNCH_CHECK("attn_fp16_sm90_kernel");
+  SPARGE_PDL_CHECK(launch_pdl(kernel, dim3(grid), dim3(kThreads), L::kAlloc, stream, tq, tk, tv, to, prm),
+                   "attn_fp16_sm90_kernel");
   return SPARGE_OK;
 }
 

@@ -34,6 +34,7 @@
 #include "cuda/attention/sm90/tensor_map.hpp"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
 #include "cuda/internal.cuh"
+#include "cuda/launch.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -424,6 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_vlo,
                         const __grid_constant__ CUtensorMap tm_o, const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   constexpr int kKeys = KeysPerStep<kSchedule>::value;
   constexpr int kHalves = kKeys / 64;
   using L = SmemLayout<D, kKeys, kVTerms>;
@@ -667,8 +669,8 @@ sparge_status_t launch(const AttnArgs& a, const Params& prm, cudaStream_t stream
   auto kernel = attn_int8fp8_kernel<D, kCausal, kSchedule, kVTerms>;
   SPARGE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
   const unsigned grid = static_cast<unsigned>(bhq * pb.nQB);
-  kernel<<<grid, kThreads, L::kAlloc, stream>>>(tq, tk, tv, tvlo, to, prm_run);
-  SPARGE_LAUNCH_CHECK("attn_int8fp8_kernel");
+  SPARGE_PDL_CHECK(launch_pdl(kernel, dim3(grid), dim3(kThreads), L::kAlloc, stream, tq, tk, tv, tvlo, to, prm_run),
+                   "attn_int8fp8_kernel");
   return SPARGE_OK;
 }
 
