@@ -146,8 +146,6 @@ struct WorkspaceLayout {
   size_t idx = 0;       // int32 [B*Hq, nQB, nKB]    kept key blocks, ascending
   size_t cnt = 0;       // int32 [B*Hq, nQB]
   size_t order = 0;     // int32 [B*Hq*nQB]          work order: group-major, heaviest first in a group
-  size_t work = 0;      // int32 [B*Hq*nQB, 8]       per CTA of the sm_90a kernels, in work order: row, count,
-                        //                           its first three list entries (-1 past the count), 0, 0, 0
   size_t col_part = 0;  // double [B*Hkv, nChunk, D] K column sums, then float [B*Hkv, nChunk, D]
                         // V column max|.|; nChunk = ceil(Lkv / kGpuColChunk)
 };

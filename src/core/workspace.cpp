@@ -52,7 +52,6 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     w.idx = a.take({B, Hq, nQB, nKB, i32});
     w.cnt = a.take({B, Hq, nQB, i32});
     w.order = a.take({B, Hq, nQB, i32});
-    w.work = a.take({B, Hq, nQB, 8, i32});
     w.col_part = a.take({B, Hkv, nchunk, D, sizeof(double) + sizeof(float)});
     if (p.quantized()) {
       w.q_i8 = a.take({B, Hq, nQB, kGpuBlockQ, D});

@@ -184,7 +184,6 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   a.idx = ws_ptr<const int32_t>(workspace, L.idx);
   a.cnt = ws_ptr<const int32_t>(workspace, L.cnt);
   a.order = ws_ptr<const int32_t>(workspace, L.order);
-  a.work = ws_ptr<const int32_t>(workspace, L.work);
   a.out = out;
   if (lse) a.lse = *lse;
   if (p.fp8_pv()) return launch_attention_sm90_int8fp8(a, s);

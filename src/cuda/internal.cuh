@@ -37,7 +37,6 @@ struct AttnArgs {
   const int32_t* idx = nullptr;    // [B*Hq, nQB, nKB] kept key blocks, ascending
   const int32_t* cnt = nullptr;    // [B*Hq, nQB]
   const int32_t* order = nullptr;  // [B*Hq*nQB] (bh*nQB + qb), K/V group by group, heaviest rows first within one
-  const int32_t* work = nullptr;   // [B*Hq*nQB, 8] in work order: row, cnt, first three idx entries (WorkspaceLayout)
   // outputs
   Tensor4 out;
   LseView lse;                     // lse.data == nullptr: not wanted

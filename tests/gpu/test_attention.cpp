@@ -50,7 +50,13 @@ struct Bars {
 // int8_fp16 leaves the int8 Q.K^T error alone (emulated: ~0.9999, ~0.011).
 Bars ref_bars(const AttnCase& c, sparge_precision_t prec) {
   if (prec == SPARGE_PRECISION_FP16) return {0.9999, 0.005, 1e-3, 1e-5};
-  if (c.outliers) return {0.99, 0.08, 0.05, 1.0 / 32};
+  // Outlier inputs (three channels x 20 in Q and K): the scores are huge and the
+  // softmax nearly one-hot, so the int8 Q.K^T rounding can swap the winning key
+  // of a row. With 64 used keys (L128-outl, d=0.5) the int8 modes' cosine
+  // ranges 0.9874..0.9999 over 375 seeds of this generator in the CPU twin
+  // (median 0.9987, 0.5 % of seeds below 0.99; one GPU run hit 0.9864), the
+  // same for all three int8 modes: the bar is set below that spread.
+  if (c.outliers) return {0.98, 0.08, 0.05, 1.0 / 32};
   if (prec == SPARGE_PRECISION_INT8_FP8_SPLIT_V) return {0.999, 0.04, 0.02, 1.0 / 64};
   if (prec == SPARGE_PRECISION_INT8_FP16) return {0.9995, 0.02, 0.02, 1.0 / 64};
   return {0.998, 0.05, 0.02, 1.0 / 64};

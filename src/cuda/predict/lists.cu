@@ -52,9 +52,10 @@ __global__ void __launch_bounds__(kListWarps * 32) mask_to_lists_kernel(const Li
     }
   }
   if (lane == 0) a.cnt[row] = base;
-  // The order kernel copies the first three entries of every row into the
-  // sm_90a kernels' work records whatever the count (docs/KERNELS-SM90.md);
-  // give unused ones a defined value.
+  // The sm_90a attention kernels read the first entries of every row (one per
+  // listed block of their first step: up to three, the 16-bit P.V kernel at
+  // D = 64) before they know the count (docs/KERNELS-SM90.md); give unused
+  // ones a defined value.
   if (lane < 3 && lane >= base && lane < p.nKB) out[lane] = -1;
 }
 
@@ -70,13 +71,8 @@ __global__ void __launch_bounds__(kListWarps * 32) mask_to_lists_kernel(const Li
 // equal cnt keep no particular order among themselves.
 constexpr int kOrderThreads = 512;
 
-// Besides `order`, each position gets the sm_90a kernels' work record: the row,
-// its count and its first three list entries, so that a CTA's first loads are
-// one record instead of order, then cnt and idx.
-__global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __restrict__ cnt,
-                                                              const int32_t* __restrict__ idx, int64_t nKB,
-                                                              int64_t group_rows, int nbins,
-                                                              int32_t* __restrict__ order, int4* __restrict__ work) {
+__global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __restrict__ cnt, int64_t group_rows,
+                                                              int nbins, int32_t* __restrict__ order) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
   extern __shared__ int hist[];  // nbins = nKB + 1 counters
   __shared__ int wsum[kOrderThreads / 32];
@@ -84,7 +80,6 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __r
   const int64_t r0 = int64_t(blockIdx.x) * group_rows;
   cnt += r0;
   order += r0;
-  work += 2 * r0;
   for (int i = tid; i < nbins; i += kOrderThreads) hist[i] = 0;
   __syncthreads();
   for (int64_t r = tid; r < group_rows; r += kOrderThreads) atomicAdd(&hist[cnt[r]], 1);
@@ -121,14 +116,8 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __r
   }
   __syncthreads();
   for (int64_t r = tid; r < group_rows; r += kOrderThreads) {
-    const int c = cnt[r];
-    const int pos = atomicAdd(&hist[c], 1);
-    const int64_t row = r0 + r;
-    order[pos] = int32_t(row);
-    // mask_to_lists gave the first three entries a defined value (-1 past the count).
-    const int32_t* e = idx + row * nKB;
-    work[2 * pos] = make_int4(int(row), c, nKB > 0 ? e[0] : -1, nKB > 1 ? e[1] : -1);
-    work[2 * pos + 1] = make_int4(nKB > 2 ? e[2] : -1, 0, 0, 0);
+    const int pos = atomicAdd(&hist[cnt[r]], 1);
+    order[pos] = int32_t(r0 + r);
   }
 }
 
@@ -138,8 +127,8 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
-  if (L.idx == 0 || L.cnt == 0 || L.order == 0 || L.work == 0)
-    return fail(SPARGE_ERR_INTERNAL, "CUDA index lists: workspace layout lacks idx/cnt/order/work");
+  if (L.idx == 0 || L.cnt == 0 || L.order == 0)
+    return fail(SPARGE_ERR_INTERNAL, "CUDA index lists: workspace layout lacks idx/cnt/order");
   char* base = static_cast<char*>(ws);
   const int64_t rows = p.B * p.Hq * p.nQB;
   if (rows <= 0) return SPARGE_OK;
@@ -160,8 +149,7 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
     SPARGE_CUDA_TRY(cudaFuncSetAttribute(order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int64_t groups = p.B * p.Hkv, group_rows = p.group() * p.nQB;
   SPARGE_PDL_CHECK(launch_pdl(order_kernel, dim3(unsigned(groups)), dim3(kOrderThreads), smem, stream,
-                              static_cast<const int32_t*>(la.cnt), static_cast<const int32_t*>(la.idx), p.nKB,
-                              group_rows, nbins, ws_ptr<int32_t>(base, L.order), ws_ptr<int4>(base, L.work)),
+                              static_cast<const int32_t*>(la.cnt), group_rows, nbins, ws_ptr<int32_t>(base, L.order)),
                    "sparge work-order kernel");
   return SPARGE_OK;
 }

@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     start_ring<kStages, kHalves>(
-        w, n_steps, ring.full, ring.empty, ring.qbar,
+        w, p.nKB, n_steps, ring.full, ring.empty, ring.qbar,
         [&] {
           mbar_arrive_expect_tx(ring.qbar, L::kQBytes);
           if constexpr (kI8) {

@@ -20,7 +20,6 @@ struct RowParams {
   const int32_t* idx;
   const int32_t* cnt;
   const int32_t* order;
-  const int4* work;  // per CTA, in work order: row, count, first three list entries (AttnArgs::work)
   void* out;
   int64_t out_stride[4];
   float* lse;
@@ -36,7 +35,6 @@ inline void fill_row_params(const AttnArgs& a, RowParams* r) {
   r->idx = a.idx;
   r->cnt = a.cnt;
   r->order = a.order;
-  r->work = reinterpret_cast<const int4*>(a.work);
   r->out = a.out.data;
   for (int i = 0; i < 4; ++i) r->out_stride[i] = a.out.stride[i];
   r->lse = a.lse.data;
@@ -105,28 +103,21 @@ struct SmemRing {
 
 // The mask row of this CTA (blockIdx.x indexes the work order): its batch,
 // query head and 128-row query block, its K/V head, and its list of kept
-// 64-key blocks, with the list's first three entries (-1 past the count) from
-// the CTA's work record: one 32-byte load, not order, then cnt and idx. P holds
-// work, idx, nQB, nKB, Hq and group.
+// 64-key blocks. P holds order, cnt, idx, nQB, nKB, Hq and group.
 struct RowWork {
   int row_id, bh, qb, b, h, hkv, bhkv, n_tiles;
-  int first[3];
   const int32_t* tiles;
 
   template <class P>
   __device__ __forceinline__ explicit RowWork(const P& p) {
-    const int4 r0 = __ldg(p.work + 2 * blockIdx.x), r1 = __ldg(p.work + 2 * blockIdx.x + 1);
-    row_id = r0.x;
-    n_tiles = r0.y;
-    first[0] = r0.z;
-    first[1] = r0.w;
-    first[2] = r1.x;
+    row_id = p.order[blockIdx.x];
     bh = row_id / p.nQB;
     qb = row_id - bh * p.nQB;
     b = bh / p.Hq;
     h = bh - b * p.Hq;
     hkv = h / p.group;
     bhkv = b * (p.Hq / p.group) + hkv;
+    n_tiles = p.cnt[row_id];
     tiles = p.idx + int64_t(row_id) * p.nKB;
   }
   // Steps of kHalves listed blocks.
@@ -144,16 +135,15 @@ struct RowWork {
 // Thread 0, before the CTA-wide barrier: initialises the ring (`full`: one
 // arrival plus the stage's bytes; `empty`: the 256 consumer threads) and the
 // Q barrier, then issues Q (`load_q`) and stage 0 (`load_stage(0, blocks)`).
-// The row's first list entries come with its count in the work record, so the
-// first stage waits for no global load after it; the values past the count
-// are dropped.
+// The row's first list entries are read alongside its count (they are inside
+// the row's nKB entries whatever the count), so the first stage waits for one
+// global load after `order`, not two; the values past the count are dropped.
 template <int kStages, int kHalves, class LoadQ, class LoadStage>
-__device__ __forceinline__ void start_ring(const RowWork& w, int n_steps, uint64_t* full, uint64_t* empty,
+__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, uint64_t* full, uint64_t* empty,
                                            uint64_t* qbar, LoadQ load_q, LoadStage load_stage) {
-  static_assert(kHalves <= 3, "the work record carries three list entries");
   int first[kHalves];
 #pragma unroll
-  for (int hh = 0; hh < kHalves; ++hh) first[hh] = w.first[hh];
+  for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < nKB) ? w.tiles[hh] : -1;
   for (int s = 0; s < kStages; ++s) {
     mbar_init(&full[s], 1);
     mbar_init(&empty[s], 256);
