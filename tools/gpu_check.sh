@@ -289,20 +289,23 @@ if want ncu; then
     # Achieved throughput: the kernel's own work over its ncu-measured duration.
     dur=$(grep -E 'gpu__time_duration.sum' "$LOG/ncu.log" | tail -n 1 | awk '{print $NF, $(NF-1)}')
     echo "kernel duration (ncu): $dur for 4*32*16384^2*128 = 4.398e12 ops (TOPS = 4398 / duration in ms)" | tee -a "$LOG/ncu.log"
-    # The FP16-mode sm_90a kernel on the same workload: duration and pipe use.
-    run_to "$LOG/ncu.log" "$(allow 90)" ncu --clock-control none -k regex:attn_fp16_sm90 --launch-skip 1 -c 1 \
-      --section SpeedOfLight --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes fp16 --warmup 1 \
-      --min-iters 1 --max-iters 1 || rc1=$?
-    # The duration printed after the FP16 command's own header (none if no kernel matched).
-    dur16=$(awk '/regex:attn_fp16_sm90/{f=1} f && /gpu__time_duration.sum/{d=$NF " " $(NF-1)} END{print d}' "$LOG/ncu.log")
-    echo "fp16 kernel duration (ncu): $dur16 for 4.398e12 flop" | tee -a "$LOG/ncu.log"
-    # The INT8_FP16 kernel (the same kernel template with int8 Q.K^T) on the same workload.
-    echo "== int8_fp16 kernel" | tee -a "$LOG/ncu.log"
-    run_to "$LOG/ncu.log" "$(allow 90)" ncu --clock-control none -k regex:attn_fp16_sm90 --launch-skip 1 -c 1 \
-      --section SpeedOfLight --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes i8f16 --warmup 1 \
-      --min-iters 1 --max-iters 1 || rc1=$?
-    durif=$(awk '/^== int8_fp16 kernel/{f=1} f && /gpu__time_duration.sum/{d=$NF " " $(NF-1)} END{print d}' "$LOG/ncu.log")
-    echo "int8_fp16 kernel duration (ncu): $durif for 4.398e12 ops" | tee -a "$LOG/ncu.log"
+    # The 16-bit P.V sm_90a kernel on the same workload, in the FP16 mode and in
+    # INT8_FP16 (the same template with int8 Q.K^T): duration and pipe use. Each
+    # run gets a header line, so the duration read is that run's (empty if no
+    # kernel matched).
+    ncu16() {  # bench mode, label; sets NCU16_DUR
+      echo "== $2 kernel" | tee -a "$LOG/ncu.log"
+      run_to "$LOG/ncu.log" "$(allow 90)" ncu --clock-control none -k regex:attn_fp16_sm90 --launch-skip 1 -c 1 \
+        --section SpeedOfLight --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes "$1" --warmup 1 \
+        --min-iters 1 --max-iters 1 || rc1=$?
+      NCU16_DUR=$(awk -v h="== $2 kernel" '/^== /{f = ($0 == h); if (f) d=""} f && /gpu__time_duration.sum/{
+        d=$NF " " $(NF-1)} END{print d}' "$LOG/ncu.log")
+      echo "$2 kernel duration (ncu): $NCU16_DUR for 4.398e12 operations" | tee -a "$LOG/ncu.log"
+    }
+    ncu16 fp16 fp16
+    dur16=$NCU16_DUR
+    ncu16 i8f16 int8_fp16
+    durif=$NCU16_DUR
     rc2=0
     # Every kernel of one predict+attention call (prediction breakdown), durations only.
     run_to "$LOG/ncu.log" "$(allow 120)" ncu --clock-control none --metrics gpu__time_duration.sum \

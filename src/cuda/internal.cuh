@@ -62,6 +62,9 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
 
 // --- attention kernel families (src/cuda/attention/) ------------------------
 sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream);
+// Head dim, block sizes, dtype and 32-bit coordinate limits of the sm_90a int8
+// kernels (`mode` names the precision in the message).
+sparge_status_t check_sm90_int8_problem(const Problem& pb, const char* mode);
 // Whether the int8 kernels (INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16) can store
 // `out` (rows 4-byte aligned); checked before any launch of an attention
 // call. UNSUPPORTED naming out otherwise.

@@ -25,3 +25,46 @@ TOL = {
     "int8_fp8_split_v": dict(rel_l1=6e-2, cos=0.995),
     "int8_fp16": dict(rel_l1=2e-2, cos=0.999),
 }
+
+
+def check_accepted_and_close(rng, precision, rel_l1, cos):
+    """fp16 inputs, all blocks kept: output of the input's shape and dtype, finite, close to float64;
+    LSE close too."""
+    import ref
+    import sparge
+    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=256, Lkv=384, D=64, dtype=np.float16)
+    out, lse = sparge.attention(q, k, v, topk=1.0, precision=precision, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    expect, lse_expect = ref.attention(q, k, v)
+    assert ref.rel_l1(out, expect) <= rel_l1
+    assert ref.cosine(out, expect) >= cos
+    np.testing.assert_allclose(lse, lse_expect, atol=6e-2, rtol=2e-2)
+
+
+def check_bad_precision_named(rng, bad, valid_name):
+    """A bad precision value is an InvalidArgumentError from every entry point, naming the argument,
+    the value and the valid names."""
+    import pytest
+    import sparge
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=64, Lkv=64, D=32)
+    for call in (lambda: sparge.attention(q, k, v, precision=bad),
+                 lambda: sparge.predict_mask(q, k, precision=bad),
+                 lambda: sparge.block_sparse_attention(q, k, v, np.ones((1, 2, 1, 1), np.uint8), precision=bad)):
+        with pytest.raises(sparge.InvalidArgumentError) as ei:
+            call()
+        msg = str(ei.value)
+        assert "precision" in msg and valid_name in msg and repr(bad) in msg, msg
+
+
+def mask_and_lse_vs_int8_fp8(rng, precision):
+    """The predicted mask and the LSE of `precision` next to int8_fp8's on the same causal inputs:
+    (mask, int8_fp8 mask, lse, int8_fp8 lse)."""
+    import sparge
+    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=320, Lkv=320, D=64, dtype=np.float16)
+    opts = dict(topk=0.5, is_causal=True)
+    m8 = sparge.predict_mask(q, k, precision="int8_fp8", **opts)
+    m = sparge.predict_mask(q, k, precision=precision, **opts)
+    _, lse8 = sparge.attention(q, k, v, precision="int8_fp8", return_lse=True, **opts)
+    _, lse = sparge.attention(q, k, v, precision=precision, return_lse=True, **opts)
+    return m, m8, lse, lse8

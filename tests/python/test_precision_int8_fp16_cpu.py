@@ -5,18 +5,11 @@ import pytest
 
 import ref
 import sparge
-from helpers import make, make_qkv
+from helpers import check_accepted_and_close, check_bad_precision_named, make, make_qkv, mask_and_lse_vs_int8_fp8
 
 
 def test_accepted_and_close_to_reference(rng):
-    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=256, Lkv=384, D=64, dtype=np.float16)
-    out, lse = sparge.attention(q, k, v, topk=1.0, precision="int8_fp16", return_lse=True)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
-    expect, lse_expect = ref.attention(q, k, v)
-    assert ref.rel_l1(out, expect) <= 2e-2
-    assert ref.cosine(out, expect) >= 0.999
-    np.testing.assert_allclose(lse, lse_expect, atol=6e-2, rtol=2e-2)
+    check_accepted_and_close(rng, "int8_fp16", 2e-2, 0.999)
 
 
 @pytest.mark.parametrize("D", [32, 64, 128])
@@ -39,13 +32,8 @@ def test_head_dims_on_predicted_mask(rng, D, causal):
 def test_qk_path_is_that_of_int8_fp8(rng):
     """Q.K^T quantization and mask prediction are those of int8_fp8: the same mask, and an LSE
     that differs only by the float32 rounding of the running sum (the key steps differ)."""
-    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=320, Lkv=320, D=64, dtype=np.float16)
-    opts = dict(topk=0.5, is_causal=True)
-    m8 = sparge.predict_mask(q, k, precision="int8_fp8", **opts)
-    m16 = sparge.predict_mask(q, k, precision="int8_fp16", **opts)
+    m16, m8, lse16, lse8 = mask_and_lse_vs_int8_fp8(rng, "int8_fp16")
     np.testing.assert_array_equal(m16, m8)
-    _, lse8 = sparge.attention(q, k, v, precision="int8_fp8", return_lse=True, **opts)
-    _, lse16 = sparge.attention(q, k, v, precision="int8_fp16", return_lse=True, **opts)
     np.testing.assert_allclose(lse16, lse8, atol=1e-5, rtol=1e-5)
 
 
@@ -96,11 +84,4 @@ def test_float32_inputs(rng):
 
 @pytest.mark.parametrize("bad", ["int8fp16", "INT8_FP16", "int8_f16", "int8_fp16 ", 4])
 def test_bad_precision_names_the_argument(rng, bad):
-    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=64, Lkv=64, D=32)
-    for call in (lambda: sparge.attention(q, k, v, precision=bad),
-                 lambda: sparge.predict_mask(q, k, precision=bad),
-                 lambda: sparge.block_sparse_attention(q, k, v, np.ones((1, 2, 1, 1), np.uint8), precision=bad)):
-        with pytest.raises(sparge.InvalidArgumentError) as ei:
-            call()
-        msg = str(ei.value)
-        assert "precision" in msg and "int8_fp16" in msg and repr(bad) in msg, msg
+    check_bad_precision_named(rng, bad, "int8_fp16")

@@ -5,29 +5,17 @@ import pytest
 
 import ref
 import sparge
-from helpers import make, make_qkv
+from helpers import check_accepted_and_close, check_bad_precision_named, make, mask_and_lse_vs_int8_fp8
 
 
 def test_accepted_and_close_to_reference(rng):
-    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=256, Lkv=384, D=64, dtype=np.float16)
-    out, lse = sparge.attention(q, k, v, topk=1.0, precision="int8_fp8_split_v", return_lse=True)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
-    expect, lse_expect = ref.attention(q, k, v)
-    assert ref.rel_l1(out, expect) <= 6e-2
-    assert ref.cosine(out, expect) >= 0.995
-    np.testing.assert_allclose(lse, lse_expect, atol=6e-2, rtol=2e-2)
+    check_accepted_and_close(rng, "int8_fp8_split_v", 6e-2, 0.995)
 
 
 def test_split_v_only_changes_pv(rng):
     """Q.K, softmax and mask prediction are those of int8_fp8: same mask, same LSE bits."""
-    q, k, v = make_qkv(rng, B=1, Hq=4, Hkv=2, Lq=320, Lkv=320, D=64, dtype=np.float16)
-    opts = dict(topk=0.5, is_causal=True)
-    m8 = sparge.predict_mask(q, k, precision="int8_fp8", **opts)
-    ms = sparge.predict_mask(q, k, precision="int8_fp8_split_v", **opts)
+    ms, m8, lses, lse8 = mask_and_lse_vs_int8_fp8(rng, "int8_fp8_split_v")
     np.testing.assert_array_equal(ms, m8)
-    _, lse8 = sparge.attention(q, k, v, precision="int8_fp8", return_lse=True, **opts)
-    _, lses = sparge.attention(q, k, v, precision="int8_fp8_split_v", return_lse=True, **opts)
     np.testing.assert_array_equal(lses, lse8)
 
 
@@ -52,11 +40,4 @@ def test_smaller_error_than_int8_fp8_on_long_rows(rng):
 
 @pytest.mark.parametrize("bad", ["int8_fp8_splitv", "INT8_FP8_SPLIT_V", "split_v", "", 3])
 def test_bad_precision_names_the_argument(rng, bad):
-    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=64, Lkv=64, D=32)
-    for call in (lambda: sparge.attention(q, k, v, precision=bad),
-                 lambda: sparge.predict_mask(q, k, precision=bad),
-                 lambda: sparge.block_sparse_attention(q, k, v, np.ones((1, 2, 1, 1), np.uint8), precision=bad)):
-        with pytest.raises(sparge.InvalidArgumentError) as ei:
-            call()
-        msg = str(ei.value)
-        assert "precision" in msg and "int8_fp8_split_v" in msg and repr(bad) in msg, msg
+    check_bad_precision_named(rng, bad, "int8_fp8_split_v")

@@ -290,16 +290,8 @@ struct Consumer16 {
       for (int hh = 0; hh < kHalves; ++hh) {
         st.f0[hh] = qs0 * ksc[hh];
         st.f1[hh] = qs1 * ksc[hh];
-        int32_t im0 = INT32_MIN, im1 = INT32_MIN;
-#pragma unroll
-        for (int jj = 0; jj < 32; ++jj) {
-          if (jj & 2) im1 = max(im1, s[hh * 32 + jj]);
-          else im0 = max(im0, s[hh * 32 + jj]);
-        }
-        im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 1));
-        im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
-        im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));
-        im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 2));
+        int32_t im0, im1;
+        quad_row_max_s32(s, hh * 32, im0, im1);
         if (im0 != INT32_MIN) mx0 = fmaxf(mx0, small_int_to_float(im0) * st.f0[hh]);
         if (im1 != INT32_MIN) mx1 = fmaxf(mx1, small_int_to_float(im1) * st.f1[hh]);
       }
@@ -594,6 +586,23 @@ sparge_status_t dispatch16(int64_t D, bool causal, const CUtensorMap& tq, const 
                 : launch16<T, 64, false, kI8>(tq, tk, tv, to, prm, grid, stream);
 }
 
+// The rest of a launch, common to both modes: the output through shared
+// memory and a TMA store where its strides are expressible (else direct
+// stores), then the kernel for the dtype, head dim and causality.
+template <bool kI8>
+sparge_status_t launch_rest(const AttnArgs& a, EncodeTiledFn enc, const CUtensorMap& tq, const CUtensorMap& tk,
+                            const CUtensorMap& tv, Params16& prm, cudaStream_t stream) {
+  const Problem& pb = a.prob;
+  const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
+  CUtensorMap to = tq;
+  if (tma_store_from_env() &&
+      make_map_bhld16(enc, &to, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
+    prm.tma_store = 1;
+  const unsigned grid = static_cast<unsigned>(pb.B * pb.Hq * pb.nQB);
+  if (bf16) return dispatch16<__nv_bfloat16, kI8>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
+  return dispatch16<__half, kI8>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
+}
+
 // SPARGE_FP16_KERNEL (developer switch, read once): `portable` selects the
 // mma.sync kernel on sm_90 too (A/B measurements); `sm90` makes a call that the
 // sm_90a kernel cannot take an error instead of a silent fallback (the GPU
@@ -647,16 +656,8 @@ sparge_status_t launch_attention_sm90_fp16(const AttnArgs& a, cudaStream_t strea
     return sm90::decline("a tensor map for these strides");
   sm90::Params16 prm{};
   sm90::fill_row_params(a, &prm);
-  // The output through shared memory and a TMA store where its strides are
-  // expressible (else direct stores).
-  CUtensorMap to = tq;
-  if (sm90::tma_store_from_env() &&
-      sm90::make_map_bhld16(enc, &to, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
-    prm.tma_store = 1;
-  const unsigned grid = static_cast<unsigned>(rows);
   *launched = true;
-  if (bf16) return sm90::dispatch16<__nv_bfloat16, false>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
-  return sm90::dispatch16<__half, false>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
+  return sm90::launch_rest<false>(a, enc, tq, tk, tv, prm, stream);
 }
 
 sparge_status_t check_int8fp16_v(const Tensor4& v) {
@@ -675,18 +676,8 @@ sparge_status_t check_int8fp16_v(const Tensor4& v) {
 
 sparge_status_t launch_attention_sm90_int8fp16(const AttnArgs& a, cudaStream_t stream) {
   const Problem& pb = a.prob;
-  if (pb.D != 64 && pb.D != 128)
-    return fail(SPARGE_ERR_UNSUPPORTED, "head_dim: the sm_90 INT8_FP16 kernel supports 64 and 128, got %lld",
-                static_cast<long long>(pb.D));
-  if (pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK)
-    return fail(SPARGE_ERR_UNSUPPORTED, "block size: the CUDA kernels use 128x64 mask blocks");
-  if (pb.dtype != SPARGE_DTYPE_FLOAT16 && pb.dtype != SPARGE_DTYPE_BFLOAT16)
-    return fail(SPARGE_ERR_UNSUPPORTED, "dtype: the sm_90 INT8_FP16 kernel takes float16 or bfloat16 tensors");
-  const int64_t rows = pb.B * pb.Hq * pb.nQB;
-  if (rows * kGpuBlockQ >= (int64_t(1) << 31) || pb.B * pb.Hkv * pb.nKB * kGpuBlockK >= (int64_t(1) << 31) ||
-      pb.Lq > 0x3fffffffLL || pb.Lkv > 0x3fffffffLL)
-    return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for 32-bit tile coordinates (B*H*L >= 2^31)");
-  if (rows == 0) return SPARGE_OK;
+  SPARGE_TRY(check_sm90_int8_problem(pb, "INT8_FP16"));
+  if (pb.B * pb.Hq * pb.nQB == 0) return SPARGE_OK;
   sm90::EncodeTiledFn enc = nullptr;
   SPARGE_TRY(sm90::get_encode_fn(&enc));
   const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
@@ -705,13 +696,7 @@ sparge_status_t launch_attention_sm90_int8fp16(const AttnArgs& a, cudaStream_t s
   prm.q_scale = a.q_scale;
   prm.q_mu = a.q_mu;
   prm.k_scale = a.k_scale;
-  CUtensorMap to = tq;
-  if (sm90::tma_store_from_env() &&
-      sm90::make_map_bhld16(enc, &to, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
-    prm.tma_store = 1;
-  const unsigned grid = static_cast<unsigned>(rows);
-  if (bf16) return sm90::dispatch16<__nv_bfloat16, true>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
-  return sm90::dispatch16<__half, true>(pb.D, pb.causal, tq, tk, tv, to, prm, grid, stream);
+  return sm90::launch_rest<true>(a, enc, tq, tk, tv, prm, stream);
 }
 
 }  // namespace cuda

@@ -264,16 +264,8 @@ struct Consumer {
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) {
-      int32_t im0 = kMasked, im1 = kMasked;
-#pragma unroll
-      for (int jj = 0; jj < 32; ++jj) {
-        if (jj & 2) im1 = max(im1, acc[hh * 32 + jj]);
-        else im0 = max(im0, acc[hh * 32 + jj]);
-      }
-      im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 1));
-      im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
-      im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));
-      im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 2));
+      int32_t im0, im1;
+      quad_row_max_s32(acc, hh * 32, im0, im1);
       if (im0 != kMasked) mx0 = fmaxf(mx0, small_int_to_float(im0) * st.f0[hh]);
       if (im1 != kMasked) mx1 = fmaxf(mx1, small_int_to_float(im1) * st.f1[hh]);
     }
@@ -709,18 +701,27 @@ sparge_status_t check_int8fp8_out(const Tensor4& o) {
               static_cast<long long>(o.stride[2]));
 }
 
-sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream) {
-  const Problem& pb = a.prob;
+sparge_status_t check_sm90_int8_problem(const Problem& pb, const char* mode) {
   if (pb.D != 64 && pb.D != 128)
-    return fail(SPARGE_ERR_UNSUPPORTED, "head_dim: the sm_90 INT8_FP8 kernel supports 64 and 128, got %lld",
+    return fail(SPARGE_ERR_UNSUPPORTED, "head_dim: the sm_90 %s kernel supports 64 and 128, got %lld", mode,
                 static_cast<long long>(pb.D));
   if (pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK)
     return fail(SPARGE_ERR_UNSUPPORTED, "block size: the CUDA kernels use 128x64 mask blocks");
-  const int64_t rows = pb.B * pb.Hq * pb.nQB;
-  if (rows * kGpuBlockQ >= (int64_t(1) << 31) || pb.B * pb.Hkv * pb.nKB * kGpuBlockK >= (int64_t(1) << 31) ||
-      pb.B * pb.Hkv * pb.D >= (int64_t(1) << 31))
+  if (pb.dtype != SPARGE_DTYPE_FLOAT16 && pb.dtype != SPARGE_DTYPE_BFLOAT16)
+    return fail(SPARGE_ERR_UNSUPPORTED, "dtype: the sm_90 %s kernel takes float16 or bfloat16 tensors", mode);
+  // Tile coordinates are 32-bit: rows of the int8 Q and K (and of V^T), and
+  // key and row indices (key0 + 64 must not overflow).
+  if (pb.B * pb.Hq * pb.nQB * kGpuBlockQ >= (int64_t(1) << 31) ||
+      pb.B * pb.Hkv * pb.nKB * kGpuBlockK >= (int64_t(1) << 31) || pb.B * pb.Hkv * pb.D >= (int64_t(1) << 31) ||
+      pb.Lq > 0x3fffffffLL || pb.Lkv > 0x3fffffffLL)
     return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for 32-bit tile coordinates (B*H*L >= 2^31)");
-  if (rows == 0) return SPARGE_OK;
+  return SPARGE_OK;
+}
+
+sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream) {
+  const Problem& pb = a.prob;
+  SPARGE_TRY(check_sm90_int8_problem(pb, "INT8_FP8"));
+  if (pb.B * pb.Hq * pb.nQB == 0) return SPARGE_OK;
   sm90::Params prm{};
   prm.q_scale = a.q_scale;
   prm.q_mu = a.q_mu;

@@ -190,6 +190,25 @@ __device__ __forceinline__ float poly_exp2(float x) {
 // An int8 dot product over D <= 256 is at most 127*127*256 < 2^22.
 constexpr int32_t kIntToFloatMagicBits = 0x4B400000;
 constexpr float kIntToFloatMagic = 12582912.0f;
+// Row maxima of one 64-key block of an s32 wgmma accumulator over the four
+// threads of a quad: registers acc[off .. off + 32) of this thread, those with
+// (j & 2) set in its second row. INT32_MIN (below any product sum) where every
+// score of the block is masked. `off` is a constant after unrolling.
+template <int NS>
+__device__ __forceinline__ void quad_row_max_s32(const int32_t (&acc)[NS], int off, int32_t& im0, int32_t& im1) {
+  im0 = INT32_MIN;
+  im1 = INT32_MIN;
+#pragma unroll
+  for (int jj = 0; jj < 32; ++jj) {
+    if (jj & 2) im1 = max(im1, acc[off + jj]);
+    else im0 = max(im0, acc[off + jj]);
+  }
+  im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 1));
+  im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
+  im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));
+  im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 2));
+}
+
 __device__ __forceinline__ float small_int_to_float(int32_t x) {
   return __int_as_float(x + kIntToFloatMagicBits) - kIntToFloatMagic;
 }
