@@ -122,13 +122,14 @@ namespace {
 // A second transcription of SEMANTICS.md's int8 steps (one head, float
 // inputs given as dense arrays, used[i, j] = key j used by query i, kept(qb, kb)
 // the block mask, bq x bk blocks). vmode: 0 INT8_FP8 (e4m3 P and V), 1
-// INT8_FP8_SPLIT_V (V as two e4m3 terms), 2 INT8_FP16 with float32 inputs (P
-// and V unrounded).
+// INT8_FP8_SPLIT_V (V as two e4m3 terms), 2 INT8_FP16 (V as given, P rounded
+// to pdt: FLOAT32 leaves it unrounded). Steps of per_step listed tiles.
 template <class Kept>
 void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
                     const std::vector<float>& v, const std::vector<uint8_t>& used /* [Lq, Lkv] */, Kept kept,
                     int64_t bq, int64_t bk, bool causal, float scale, bool smooth, int vmode,
-                    std::vector<float>& out, std::vector<float>& lse) {
+                    std::vector<float>& out, std::vector<float>& lse, int per_step = 2,
+                    sparge_dtype_t pdt = SPARGE_DTYPE_FLOAT32) {
   std::vector<float> mu(size_t(D), 0.0f);
   if (smooth)
     for (int64_t c = 0; c < D; ++c) {
@@ -182,9 +183,9 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
     }
     float m = -INFINITY, l = 0;
     std::vector<float> acc(size_t(D), 0.0f);
-    for (size_t s0 = 0; s0 < listed.size(); s0 += 2) {
-      const size_t s1 = std::min(listed.size(), s0 + 2);
-      std::vector<float> t(128, -INFINITY);
+    for (size_t s0 = 0; s0 < listed.size(); s0 += size_t(per_step)) {
+      const size_t s1 = std::min(listed.size(), s0 + size_t(per_step));
+      std::vector<float> t(size_t(64 * per_step), -INFINITY);
       bool any = false;
       float tmax = -INFINITY;
       for (size_t u = s0; u < s1; ++u) {
@@ -212,7 +213,8 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
           const float p = std::exp2(tj - mn);
           ps += p;
           if (vmode == 2) {
-            for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += p * v[size_t(j * D + c)];
+            const float pr = round_dtype(pdt, p);
+            for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += pr * v[size_t(j * D + c)];
             continue;
           }
           const float p8 = e4m3_reference(p * 448.0f);
@@ -292,4 +294,63 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
       }
       CHECK(mismatches == 0);
     }
+}
+
+// INT8_FP16 as the sm_90a kernel runs it: 16-bit inputs (P rounded to their
+// type before P.V) and steps of three listed tiles at D = 64, two otherwise.
+TEST_CASE("twin: INT8_FP16 on 16-bit inputs, bit-identical to the transcription", "[cpu][twin]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto dt : {SPARGE_DTYPE_BFLOAT16, SPARGE_DTYPE_FLOAT16})
+    for (int64_t D : {int64_t(64), int64_t(40)})
+      for (bool causal : {false, true}) {
+        INFO("dtype " << int(dt) << " D " << D << " causal " << causal);
+        // 450 keys: eight tiles, a ragged last one; 64-key mask blocks with a
+        // pattern of gaps, so the listed tiles are not consecutive.
+        const int64_t Lq = 150, Lkv = 450;
+        const int bq = 32, bk = 64;
+        auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, dt, SPARGE_PRECISION_INT8_FP16, causal);
+        prob.block_q = bq;
+        prob.block_k = bk;
+        prob.scale = 0.2f;
+        Plan plan(prob);
+        HostTensor tq = make_bhld(dt, 1, 1, Lq, D, Layout::HND), tk = make_bhld(dt, 1, 1, Lkv, D, Layout::HND),
+                   tv = make_bhld(dt, 1, 1, Lkv, D, Layout::HND);
+        std::vector<float> q(size_t(Lq * D)), k(size_t(Lkv * D)), v(size_t(Lkv * D));
+        auto fill = [&](HostTensor& t, std::vector<float>& x, int64_t L, float off, float mul) {
+          for (int64_t i = 0; i < L; ++i)
+            for (int64_t c = 0; c < D; ++c) {
+              t.set(0, 0, i, c, nd(rng) * mul + off);
+              x[size_t(i * D + c)] = t.get(0, 0, i, c);  // the rounded value the library reads
+            }
+        };
+        fill(tq, q, Lq, 0.0f, 1.0f);
+        fill(tk, k, Lkv, 0.7f, 1.0f);
+        fill(tv, v, Lkv, 0.0f, 3.0f);
+        const int64_t nQB = ceil_div(Lq, bq), nKB = ceil_div(Lkv, bk);
+        HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, nQB, nKB});
+        for (int64_t i = 0; i < nQB; ++i)
+          for (int64_t j = 0; j < nKB; ++j) mask.set(0, 0, i, j, ((i + j) % 3) != 1 ? 1.0f : 0.0f);
+        std::vector<uint8_t> used(size_t(Lq * Lkv));
+        for (int64_t i = 0; i < Lq; ++i)
+          for (int64_t j = 0; j < Lkv; ++j)
+            used[size_t(i * Lkv + j)] = (mask.get(0, 0, i / bq, j / bk) != 0) && (!causal || j <= i + (Lkv - Lq));
+        HostTensor out = make_bhld(dt, 1, 1, Lq, D, Layout::HND);
+        HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq});
+        sparge_predict_params_t params = no_smoothing();
+        params.smooth_k = true;
+        REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
+        std::vector<float> ro, rl;
+        auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
+        twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, true, 2, ro, rl, D == 64 ? 3 : 2, dt);
+        int64_t mismatches = 0;
+        for (int64_t i = 0; i < Lq; ++i) {
+          if (!(lse.get(0, 0, i) == rl[size_t(i)])) ++mismatches;
+          for (int64_t c = 0; c < D; ++c)
+            if (!(out.get(0, 0, i, c) == round_dtype(dt, ro[size_t(i * D + c)]))) ++mismatches;
+        }
+        CHECK(mismatches == 0);
+      }
 }

@@ -26,7 +26,7 @@ def test_shim_imports():
 def test_topk_names(rng, layout, causal):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=384, D=32, dtype=np.float16, layout=layout)
     for fn, prec in ((sparge.spas_sage2_attn_meansim_topk_cuda, "int8_fp8"),
-                     (sparge.spas_sage_attn_meansim_topk_cuda, "fp16")):
+                     (sparge.spas_sage_attn_meansim_topk_cuda, "int8_fp16")):
         out = fn(q, k, v, topk=0.4, is_causal=causal, tensor_layout=layout)
         same = sparge.attention(q, k, v, topk=0.4, is_causal=causal, layout=layout, precision=prec)
         np.testing.assert_array_equal(out, same)
@@ -43,7 +43,7 @@ def test_cdf_names_defaults(rng):
     np.testing.assert_array_equal(out, same)
     out = sparge.spas_sage_attn_meansim_cuda(q, k, v, cdfthreshd=0.5, simthreshd1=0.1, is_causal=True)
     same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.5, sim_threshold=0.1, is_causal=True,
-                            precision="fp16")
+                            precision="int8_fp16")
     np.testing.assert_array_equal(out, same)
 
 

@@ -98,7 +98,7 @@ def test_causal_lq_ne_lkv_gqa(gen, Lq, Lkv):
     assert lse.dtype == torch.float32 and lse.shape == (1, 8, Lq)
 
 
-@pytest.mark.parametrize("precision,check", [("int8_fp8", "cos"), ("fp16", "l1")])
+@pytest.mark.parametrize("precision,check", [("int8_fp8", "cos"), ("int8_fp16", "cos"), ("fp16", "l1")])
 def test_sparse_accuracy_on_predicted_mask(gen, precision, check):
     q, k, v = qkv(gen, B=1, Hq=8, Hkv=4, Lq=2048, Lkv=2048, D=128, dtype=torch.bfloat16)
     mask = sparge.predict_mask(q, k, topk=0.3, is_causal=True)

@@ -187,13 +187,14 @@ def spas_sage_attn_meansim_topk_cuda(q: Any, k: Any, v: Any, attn_mask: Any = No
                                      topk: Any = 0.5, pvthreshd: Any = 50, attention_sink: bool = False,
                                      tensor_layout: str = "HND", output_dtype: Any = AS_COMPUTED,
                                      return_sparsity: bool = False, return_lse: bool = False) -> Any:
-    """As :func:`spas_sage2_attn_meansim_topk_cuda`, with 16-bit P·V: runs libsparge's ``fp16``
-    precision mode (Q, K, P, V in the input's 16-bit type, fp32 accumulation)."""
+    """As :func:`spas_sage2_attn_meansim_topk_cuda`, with 16-bit P·V, the original's format for
+    these names: runs libsparge's ``int8_fp16`` precision (Q, K int8 as ``int8_fp8``; P in the
+    input's 16-bit type, V as given, fp32 accumulation)."""
     return _predicted(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                       smooth_k=smooth_k, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, topk=topk,
                       pvthreshd=pvthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
                       output_dtype=output_dtype, return_sparsity=return_sparsity, return_lse=return_lse,
-                      precision="fp16")
+                      precision="int8_fp16")
 
 
 def spas_sage_attn_meansim_cuda(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -202,13 +203,13 @@ def spas_sage_attn_meansim_cuda(q: Any, k: Any, v: Any, attn_mask: Any = None, d
                                 attention_sink: bool = False, tensor_layout: str = "HND",
                                 output_dtype: Any = AS_COMPUTED, return_sparsity: bool = False,
                                 return_lse: bool = False) -> Any:
-    """As :func:`spas_sage2_attn_meansim_cuda` (CDF selection), with libsparge's ``fp16``
-    precision mode."""
+    """As :func:`spas_sage2_attn_meansim_cuda` (CDF selection), with 16-bit P·V: libsparge's
+    ``int8_fp16`` precision."""
     return _predicted(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                       smooth_k=smooth_k, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, topk=None,
                       pvthreshd=pvthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
                       output_dtype=output_dtype, return_sparsity=return_sparsity, return_lse=return_lse,
-                      precision="fp16")
+                      precision="int8_fp16")
 
 
 def _full_mask(q: Any, k: Any, tensor_layout: str) -> Any:

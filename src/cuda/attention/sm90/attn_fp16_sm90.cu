@@ -234,8 +234,9 @@ struct Consumer16 {
     for (int ks = 0; ks < KS; ++ks) Mma::template rs_tb_m64nNk16<D>(o, pa[ks], dv + uint64_t((ks * 2048) >> 4), 1);
   }
 
-  // INT8_FP16: the K block scales of a step, loaded before the step's waits
-  // (their latency off the softmax's path). Nothing for the FP16 mode.
+  // INT8_FP16: the K block scales of a step, loaded before the step's turn
+  // (their latency under the stage wait's tail and the wgmma waits, off the
+  // softmax's path). Nothing for the FP16 mode.
   __device__ __forceinline__ void load_kscale(const int (&kb)[kHalves], float (&ksc)[kHalves]) const {
     if constexpr (kI8) {
 #pragma unroll
@@ -689,8 +690,10 @@ sparge_status_t launch_attention_sm90_int8fp16(const AttnArgs& a, cudaStream_t s
   SPARGE_TRY(sm90::make_map(enc, &tk, a.k_i8, d, bhk * pb.nKB * kGpuBlockK, d, kGpuBlockK, swz, "k"));
   // V is read from the caller's tensor by TMA; there is no other path (the
   // backend checked it before the preparation: check_int8fp16_v).
-  if (sm90::make_map_bhld16(enc, &tv, a.v.data, bf16, a.v.shape, a.v.stride, kGpuBlockK) != CUDA_SUCCESS)
-    return check_int8fp16_v(a.v);
+  if (sm90::make_map_bhld16(enc, &tv, a.v.data, bf16, a.v.shape, a.v.stride, kGpuBlockK) != CUDA_SUCCESS) {
+    const sparge_status_t st = check_int8fp16_v(a.v);
+    return st != SPARGE_OK ? st : fail(SPARGE_ERR_INTERNAL, "v: the INT8_FP16 kernel's tensor map failed to encode");
+  }
   sm90::Params16 prm{};
   sm90::fill_row_params(a, &prm);
   prm.q_scale = a.q_scale;

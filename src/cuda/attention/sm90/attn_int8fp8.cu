@@ -706,7 +706,8 @@ sparge_status_t check_sm90_int8_problem(const Problem& pb, const char* mode) {
     return fail(SPARGE_ERR_UNSUPPORTED, "head_dim: the sm_90 %s kernel supports 64 and 128, got %lld", mode,
                 static_cast<long long>(pb.D));
   if (pb.BQ != kGpuBlockQ || pb.BK != kGpuBlockK)
-    return fail(SPARGE_ERR_UNSUPPORTED, "block size: the CUDA kernels use 128x64 mask blocks");
+    return fail(SPARGE_ERR_UNSUPPORTED, "problem->block_q/block_k: the CUDA kernels use 128x64 mask blocks, got %dx%d",
+                pb.BQ, pb.BK);
   if (pb.dtype != SPARGE_DTYPE_FLOAT16 && pb.dtype != SPARGE_DTYPE_BFLOAT16)
     return fail(SPARGE_ERR_UNSUPPORTED, "dtype: the sm_90 %s kernel takes float16 or bfloat16 tensors", mode);
   // Tile coordinates are 32-bit: rows of the int8 Q and K (and of V^T), and
@@ -714,7 +715,9 @@ sparge_status_t check_sm90_int8_problem(const Problem& pb, const char* mode) {
   if (pb.B * pb.Hq * pb.nQB * kGpuBlockQ >= (int64_t(1) << 31) ||
       pb.B * pb.Hkv * pb.nKB * kGpuBlockK >= (int64_t(1) << 31) || pb.B * pb.Hkv * pb.D >= (int64_t(1) << 31) ||
       pb.Lq > 0x3fffffffLL || pb.Lkv > 0x3fffffffLL)
-    return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for 32-bit tile coordinates (B*H*L >= 2^31)");
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "problem (batch, heads, len_q, len_kv): too large for 32-bit tile coordinates (B*H*L >= 2^31 or "
+                "L >= 2^30)");
   return SPARGE_OK;
 }
 

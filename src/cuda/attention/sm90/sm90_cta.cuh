@@ -1,6 +1,7 @@
-// The CTA skeleton shared by the sm_90a attention kernels (INT8_FP8 and
-// FP16): which mask row a CTA computes, the start of the mbarrier ring, the
-// producer loop, and the consumers' turn-taking around their wgmma batches.
+// The CTA skeleton shared by the sm_90a attention kernels (INT8_FP8, and the
+// 16-bit P.V kernel of FP16 and INT8_FP16): which mask row a CTA computes, the
+// start of the mbarrier ring, the producer loop, and the consumers'
+// turn-taking around their wgmma batches.
 #pragma once
 #include <cstdint>
 
