@@ -233,6 +233,35 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
   }
 }
 
+// Runs the library on the mask (dt: the tensors' dtype, also the rounding of P
+// for vmode 2) and the transcription on the same values, and counts the
+// output elements (the transcription's rounded to dt) and LSE values that
+// differ.
+int64_t twin_mismatches(const Plan& plan, const HostTensor& tq, const HostTensor& tk, const HostTensor& tv,
+                        const HostTensor& mask, const std::vector<float>& q, const std::vector<float>& k,
+                        const std::vector<float>& v, int64_t Lq, int64_t Lkv, int64_t D, int64_t bq, int64_t bk,
+                        bool causal, bool smooth, int vmode, int per_step, sparge_dtype_t dt) {
+  std::vector<uint8_t> used(size_t(Lq * Lkv));
+  for (int64_t i = 0; i < Lq; ++i)
+    for (int64_t j = 0; j < Lkv; ++j)
+      used[size_t(i * Lkv + j)] = (mask.get(0, 0, i / bq, j / bk) != 0) && (!causal || j <= i + (Lkv - Lq));
+  HostTensor out = make_bhld(dt, 1, 1, Lq, D, Layout::HND);
+  HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq});
+  sparge_predict_params_t params = no_smoothing();
+  params.smooth_k = smooth;
+  REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
+  std::vector<float> ro, rl;
+  auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
+  twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, smooth, vmode, ro, rl, per_step, dt);
+  int64_t mismatches = 0;
+  for (int64_t i = 0; i < Lq; ++i) {
+    if (!(lse.get(0, 0, i) == rl[size_t(i)])) ++mismatches;
+    for (int64_t c = 0; c < D; ++c)
+      if (!(out.get(0, 0, i, c) == round_dtype(dt, ro[size_t(i * D + c)]))) ++mismatches;
+  }
+  return mismatches;
+}
+
 }  // namespace
 
 TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][twin]") {
@@ -273,26 +302,8 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
           const bool on = layout == 0 ? (rng() % 4) != 0 : ((i + j) % 3) != 1;
           mask.set(0, 0, i, j, on ? 1.0f : 0.0f);
         }
-      std::vector<uint8_t> used(size_t(Lq * Lkv));
-      for (int64_t i = 0; i < Lq; ++i)
-        for (int64_t j = 0; j < Lkv; ++j)
-          used[size_t(i * Lkv + j)] = (mask.get(0, 0, i / bq, j / bk) != 0) && (!causal || j <= i + (Lkv - Lq));
-      HostTensor out = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
-      HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq});
-      sparge_predict_params_t params = no_smoothing();
-      params.smooth_k = smooth;
-      REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
-      std::vector<float> ro, rl;
-      auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
-      twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, smooth, vmode, ro, rl);
-      int64_t mismatches = 0;
-      for (int64_t i = 0; i < Lq; ++i) {
-        const float a = lse.get(0, 0, i), b = rl[size_t(i)];
-        if (!(a == b)) ++mismatches;
-        for (int64_t c = 0; c < D; ++c)
-          if (!(out.get(0, 0, i, c) == ro[size_t(i * D + c)])) ++mismatches;
-      }
-      CHECK(mismatches == 0);
+      CHECK(twin_mismatches(plan, tq, tk, tv, mask, q, k, v, Lq, Lkv, D, bq, bk, causal, smooth, vmode, 2,
+                            SPARGE_DTYPE_FLOAT32) == 0);
     }
 }
 
@@ -333,24 +344,7 @@ TEST_CASE("twin: INT8_FP16 on 16-bit inputs, bit-identical to the transcription"
         HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, nQB, nKB});
         for (int64_t i = 0; i < nQB; ++i)
           for (int64_t j = 0; j < nKB; ++j) mask.set(0, 0, i, j, ((i + j) % 3) != 1 ? 1.0f : 0.0f);
-        std::vector<uint8_t> used(size_t(Lq * Lkv));
-        for (int64_t i = 0; i < Lq; ++i)
-          for (int64_t j = 0; j < Lkv; ++j)
-            used[size_t(i * Lkv + j)] = (mask.get(0, 0, i / bq, j / bk) != 0) && (!causal || j <= i + (Lkv - Lq));
-        HostTensor out = make_bhld(dt, 1, 1, Lq, D, Layout::HND);
-        HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq});
-        sparge_predict_params_t params = no_smoothing();
-        params.smooth_k = true;
-        REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
-        std::vector<float> ro, rl;
-        auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
-        twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, true, 2, ro, rl, D == 64 ? 3 : 2, dt);
-        int64_t mismatches = 0;
-        for (int64_t i = 0; i < Lq; ++i) {
-          if (!(lse.get(0, 0, i) == rl[size_t(i)])) ++mismatches;
-          for (int64_t c = 0; c < D; ++c)
-            if (!(out.get(0, 0, i, c) == round_dtype(dt, ro[size_t(i * D + c)]))) ++mismatches;
-        }
-        CHECK(mismatches == 0);
+        CHECK(twin_mismatches(plan, tq, tk, tv, mask, q, k, v, Lq, Lkv, D, bq, bk, causal, true, 2, D == 64 ? 3 : 2,
+                              dt) == 0);
       }
 }
