@@ -16,8 +16,8 @@ namespace cuda {
 // Returns SPARGE_ERR_CUDA with the call site and CUDA's message when `e` fails.
 sparge_status_t cuda_status(cudaError_t e, const char* what);
 #define SPARGE_CUDA_TRY(call) SPARGE_TRY(::sparge::cuda::cuda_status((call), #call))
-// After a launch: checks the launch error (never synchronizes).
-#define SPARGE_LAUNCH_CHECK(name) SPARGE_TRY(::sparge::cuda::cuda_status(cudaGetLastError(), name))
+// Kernel launches go through launch_pdl and report with SPARGE_PDL_CHECK
+// (cuda/launch.cuh).
 
 // Everything an attention kernel reads, resolved to pointers.
 struct AttnArgs {

@@ -49,7 +49,7 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
 }  // namespace sparge
 
 // The result of a launch_pdl call (`err`) as a status naming the kernel; also
-// clears the runtime's last error, as SPARGE_LAUNCH_CHECK does.
+// clears the runtime's last error (never synchronizes).
 #define SPARGE_PDL_CHECK(err, name)                                      \
   do {                                                                   \
     (void)cudaGetLastError();                                            \
