@@ -8,9 +8,10 @@
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
-#include "cuda/internal.cuh"
-#include "cuda/launch.cuh"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/predict/predict.cuh"
+#include "cuda/prepare/prepare.cuh"
 
 namespace sparge {
 namespace cuda {

@@ -3,9 +3,9 @@
 // descending, lower block index first), forced blocks, the uint8 mask and the
 // kept counts. Pipeline and costs: docs/PREDICTION.md.
 #include "core/error.hpp"
-#include "cuda/common.cuh"
-#include "cuda/internal.cuh"
-#include "cuda/launch.cuh"
+#include "cuda/common/device.cuh"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/predict/predict.cuh"
 
 namespace sparge {
@@ -34,7 +34,7 @@ struct ScoreArgs {
 };
 
 __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   __shared__ __align__(16) float sq[kSDC][kST];
   __shared__ __align__(16) float sk[kSDC][kST];
   const Problem& p = a.prob;
@@ -221,7 +221,7 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
 
 // Dynamic shared memory: nKB probability bit patterns (u32) + nKB flags.
 __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   extern __shared__ __align__(16) unsigned char smem[];
   const Problem& p = a.prob;
   const PredictConfig& cfg = a.cfg;

@@ -47,8 +47,8 @@
 #include "cuda/attention/sm90/sm90_primitives.cuh"
 #include "cuda/attention/sm90/tensor_map.hpp"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
-#include "cuda/internal.cuh"
-#include "cuda/launch.cuh"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                           const Params16 p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   using L = Layout16<D, kI8>;
   using C = Consumer16<T, D, kCausal, kI8>;
   constexpr int kStages = L::kStages;

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "cuda/attention/sm90/sm90_primitives.cuh"
-#include "cuda/internal.cuh"
+#include "cuda/common/internal.cuh"
 
 namespace sparge {
 namespace cuda {

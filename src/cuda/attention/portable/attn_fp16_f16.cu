@@ -1,12 +1,12 @@
-// Instances of the FP16-mode attention kernel for __nv_bfloat16 inputs (head dims 64
+// Instances of the FP16-mode attention kernel for __half inputs (head dims 64
 // and 128, causal and not). One file per dtype keeps builds parallel.
-#include "cuda/attention/fp16/attn_fp16.cuh"
+#include "cuda/attention/portable/attn_fp16.cuh"
 
 namespace sparge {
 namespace cuda {
 namespace fp16attn {
 
-SPARGE_FP16_ATTN_INSTANCES(, __nv_bfloat16)
+SPARGE_FP16_ATTN_INSTANCES(, __half)
 
 }  // namespace fp16attn
 }  // namespace cuda

@@ -17,7 +17,7 @@ namespace cuda {
 sparge_status_t cuda_status(cudaError_t e, const char* what);
 #define SPARGE_CUDA_TRY(call) SPARGE_TRY(::sparge::cuda::cuda_status((call), #call))
 // Kernel launches go through launch_pdl and report with SPARGE_PDL_CHECK
-// (cuda/launch.cuh).
+// (cuda/common/launch.cuh).
 
 // Everything an attention kernel reads, resolved to pointers.
 struct AttnArgs {
@@ -50,8 +50,8 @@ __host__ __device__ __forceinline__ int perm32(int kk) {
   return hi + ((i < 2) ? (2 * quad + i) : (8 + 2 * quad + (i - 2)));
 }
 
-// --- preparation (src/cuda/predict/) -------------------------------------
-// prepare_impl (cuda/predict/predict.cuh): K column mean, V column max|.|,
+// --- preparation, prediction, scheduling (src/cuda/prepare/, predict/, schedule/) -------------------------------------
+// prepare_impl (cuda/prepare/prepare.cuh): K column mean, V column max|.|,
 // Q/K int8 quantization with pooled means and self-similarities, q_mu, the
 // fp8 V^T. Fills the corresponding workspace regions.
 // Pooled scores, softmax, selection, forced blocks -> uint8 mask (any strides) and kept counts.

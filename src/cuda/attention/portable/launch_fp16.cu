@@ -1,7 +1,7 @@
 // Dispatch for the FP16-mode attention kernels: checks what they need (head
 // dim, 16-byte aligned rows), then runs the sm_90a wgmma kernel where it
 // applies, else fills the portable kernel's parameters and picks its instance.
-#include "cuda/attention/fp16/attn_fp16.cuh"
+#include "cuda/attention/portable/attn_fp16.cuh"
 
 namespace sparge {
 namespace cuda {

@@ -14,10 +14,12 @@
 #include <type_traits>
 
 #include "core/error.hpp"
-#include "cuda/common.cuh"
-#include "cuda/internal.cuh"
-#include "cuda/launch.cuh"
+#include "cuda/common/device.cuh"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
+#include "cuda/predict/pooling.cuh"
 #include "cuda/predict/predict.cuh"
+#include "cuda/prepare/prepare.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -44,7 +46,7 @@ struct ColArgs {
 // covers one 64-key block (chunks start at block boundaries).
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   constexpr int TPR = D / 8, RPI = kThreads / TPR, U = kGpuBlockK / RPI, NW = kThreads / 32;
   static_assert(kGpuColChunk % kGpuBlockK == 0, "chunks must start at key-block boundaries");
   __shared__ float spool[NW][D];
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
                                                                    int64_t Lkv, int D, bool do_k, bool do_v,
                                                                    float* __restrict__ k_mean,
                                                                    float* __restrict__ v_amax) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   __shared__ double ssum[kFinThreads];
   __shared__ float smax[kFinThreads];
   const int64_t bhk = blockIdx.x;
@@ -201,78 +203,13 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
 // pooled_k[bhk, kb, :] -= k_mean[bhk, :] (raw pooled means -> smoothed ones).
 __global__ void pooled_sub_mean_kernel(float4* __restrict__ pooled, const float4* __restrict__ mean, int64_t nKB,
                                        int D4, int64_t total4) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total4; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c4 = i % D4, bhk = i / (D4 * nKB);
     float4 v = pooled[i];
     const float4 m = mean[bhk * D4 + c4];
     v.x -= m.x, v.y -= m.y, v.z -= m.z, v.w -= m.w;
     pooled[i] = v;
-  }
-}
-
-// ---------------------------------------------------------------- pooled block statistics
-// Per-thread float column partials of a block (8 columns per thread): sums
-// (ps) and sums of the rows divided by their norms (us) -> pooled mean and
-// self-similarity, written by the block. `red` is shared scratch
-// [2][NW][D] floats plus 32 floats.
-template <int D, int TPR>
-__device__ __forceinline__ void block_pool_finish(float (&ps)[8], float (&us)[8], int n, float* red,
-                                                  float* pooled_out, float* sim_out) {
-  constexpr int NW = kThreads / 32;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, cg = tid % TPR;
-#pragma unroll
-  for (int o = TPR; o < 32; o <<= 1) {
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      ps[c] += __shfl_xor_sync(0xffffffffu, ps[c], o);
-      us[c] += __shfl_xor_sync(0xffffffffu, us[c], o);
-    }
-  }
-  float* rp = red;               // [NW][D]
-  float* ru = red + NW * D;      // [NW][D]
-  float* rs = red + 2 * NW * D;  // [32]
-  if (lane < TPR) {
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      rp[warp * D + cg * 8 + c] = ps[c];
-      ru[warp * D + cg * 8 + c] = us[c];
-    }
-  }
-  __syncthreads();
-  if (tid < D) {
-    float Pc = 0.f, Uc = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      Pc += rp[w * D + tid];
-      Uc += ru[w * D + tid];
-    }
-    pooled_out[tid] = Pc / float(n);
-    const float u2 = warp_sum(Uc * Uc);
-    if (lane == 0) rs[warp] = u2;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    float u2 = 0.f;
-#pragma unroll
-    for (int w = 0; w < D / 32; ++w) u2 += rs[w];
-    *sim_out = u2 / (float(n) * float(n));
-  }
-}
-
-// Accumulates one row (8 columns per thread, TPR threads per row) into the
-// pooled partials: column sums and the row divided by its norm.
-template <int TPR>
-__device__ __forceinline__ void pool_row(const float (&x)[8], float (&ps)[8], float (&us)[8]) {
-  float n2 = 0.f;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) n2 = fmaf(x[c], x[c], n2);
-  n2 = group_sum<TPR>(n2);
-  const float inv = n2 > 0.f ? rsqrtf(n2) : 0.f;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    ps[c] += x[c];
-    us[c] = fmaf(x[c], inv, us[c]);
   }
 }
 
@@ -327,7 +264,7 @@ struct QArgs {
 // One CTA per (b, h, 128-row query block).
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI, NW = kThreads / 32;
   __shared__ float red[2 * NW * D + 32];
   const uint32_t qb = blockIdx.x % uint32_t(a.nQB), bh = blockIdx.x / uint32_t(a.nQB);
@@ -373,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
   if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
   const int64_t blk = bh * a.nQB + qb;
-  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
+  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
 }
 
 // ---------------------------------------------------------------- K pass
@@ -392,7 +329,7 @@ struct KArgs {
 // One CTA per (b, hkv, 64-key block).
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockK / RPI, NW = kThreads / 32;
   __shared__ float red[2 * NW * D + 32];
   __shared__ float fred[32];
@@ -438,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
   if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockK), a.Lkv - row0));
   const int64_t blk = bhk * a.nKB + kb;
-  block_pool_finish<D, TPR>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
+  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
 }
 
 // ---------------------------------------------------------------- V pass
@@ -467,7 +404,7 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t code) {
 // row of the tile is a contiguous 128-byte store of the warp.
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   const uint32_t tile = blockIdx.x % uint32_t(a.ntile), bhk = blockIdx.x / uint32_t(a.ntile);
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = warp * 8;

@@ -2,9 +2,9 @@
 // causally visible key blocks, ascending), cnt, and a work order: K/V group
 // by group, the heaviest rows (largest cnt) first within a group.
 #include "core/error.hpp"
-#include "cuda/common.cuh"
-#include "cuda/internal.cuh"
-#include "cuda/launch.cuh"
+#include "cuda/common/device.cuh"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/predict/predict.cuh"
 
 namespace sparge {
@@ -23,7 +23,7 @@ struct ListArgs {
 // One warp per (bh, qb) row: ballot-compaction of the nonzero mask entries
 // among the visible key blocks.
 __global__ void __launch_bounds__(kListWarps * 32) mask_to_lists_kernel(const ListArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   const Problem& p = a.prob;
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kListWarps + (threadIdx.x >> 5);
@@ -73,7 +73,7 @@ constexpr int kOrderThreads = 512;
 
 __global__ void __launch_bounds__(kOrderThreads) order_kernel(const int32_t* __restrict__ cnt, int64_t group_rows,
                                                               int nbins, int32_t* __restrict__ order) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   extern __shared__ int hist[];  // nbins = nKB + 1 counters
   __shared__ int wsum[kOrderThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -26,8 +26,8 @@
 
 #include <cstdint>
 
-#include "cuda/internal.cuh"
-#include "cuda/launch.cuh"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -145,7 +145,7 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // ------------------------------------------------------------ kernel
 template <class T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(const Params p) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/launch.cuh)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   static_assert(D == 64 || D == 128, "head dim");
   constexpr int kStages = stages<D>();
   constexpr int kChunks = D / 8;   // 16-byte chunks per row
