@@ -125,7 +125,8 @@ typedef struct sparge_problem {
   int64_t heads_kv;          /* Hkv, Hq % Hkv == 0 (GQA / MQA)                  */
   int64_t len_q;             /* Lq                                              */
   int64_t len_kv;            /* Lkv                                             */
-  int64_t head_dim;          /* D: 64/96/128 (GPU: 64, 128); CPU: 1..256        */
+  int64_t head_dim;          /* D: CPU 1..256; GPU 64, 96, 128, 256 (INT8_FP8 and
+                                INT8_FP8_SPLIT_V: 64, 96, 128)                   */
   sparge_dtype_t dtype;      /* q, k, v and out dtype                           */
   sparge_device_type_t device_type;
   int32_t device_id;
@@ -204,6 +205,26 @@ SPARGE_API sparge_status_t sparge_attention_run(sparge_plan_t plan, const sparge
                                                 const sparge_tensor_t* out,
                                                 const sparge_tensor_t* lse, void* workspace,
                                                 size_t workspace_bytes, void* stream);
+
+/* What a plan runs: the attention kernel chosen from the kernel registry at
+ * plan creation (CUDA), or the CPU reference. */
+typedef struct sparge_kernel_info {
+  size_t struct_size;     /* = sizeof(sparge_kernel_info_t), set by the caller    */
+  char family[16];        /* "sm90" or "portable" (CUDA plans), "cpu"              */
+  char name[64];          /* the instance, e.g. "sm90_int8_fp8_d128_bf16_causal"   */
+  int32_t sm_version;     /* CUDA: major*10 + minor of the device; CPU: 0          */
+  int32_t head_dim;       /* row width the kernel multiplies (96 runs as 128)      */
+  int32_t block_q;        /* query rows per CTA (CPU: the mask block rows)         */
+  int32_t keys_per_step;  /* keys per online-softmax step (P is rounded per step)  */
+  int32_t stages;         /* K/V pipeline stages (CPU: 0)                          */
+  int32_t threads;        /* threads per CTA (CPU: 0)                              */
+  int32_t smem_bytes;     /* dynamic shared memory per CTA (CPU: 0)                */
+} sparge_kernel_info_t;
+
+/* Fills *info (info->struct_size >= sizeof(sparge_kernel_info_t)). An FP16 call
+ * whose strides the sm90 kernel's tensor maps cannot express runs the portable
+ * kernel of the same key instead. Host-only. */
+SPARGE_API sparge_status_t sparge_plan_kernel_info(sparge_plan_t plan, sparge_kernel_info_t* info);
 
 /* Accepts NULL. */
 SPARGE_API void sparge_destroy_plan(sparge_plan_t plan);

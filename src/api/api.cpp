@@ -1,5 +1,7 @@
 // The C entry points of sparge.h: validation, handles, dispatch. No math.
 #include <cinttypes>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -7,6 +9,7 @@
 #include "api/validate.hpp"
 #include "core/backend.hpp"
 #include "core/error.hpp"
+#include "core/kernel_traits.hpp"
 
 using namespace sparge;
 
@@ -89,11 +92,12 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
     Problem p;
     SPARGE_TRY(api::resolve_problem(*problem, &p));
     int sm = 0;
+    const void* kernel = nullptr;
     if (p.device == SPARGE_DEVICE_CUDA) {
       if (!cuda::built())
         return fail(SPARGE_ERR_NO_DEVICE,
                     "problem->device_type is CUDA but libsparge was built without CUDA (sparge_has_cuda() == 0)");
-      const sparge_status_t st = cuda::check_device(p, &sm);
+      const sparge_status_t st = cuda::check_device(p, &sm, &kernel);
       if (st != SPARGE_OK) {  // name the argument the device comes from
         const std::string why = last_error_text();
         return fail(st, "problem->device_type is CUDA, problem->device_id %d: %s", p.device_id, why.c_str());
@@ -103,6 +107,7 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
     plan->prob = p;
     plan->ws = plan_workspace(p);
     plan->sm_version = sm;
+    plan->kernel = kernel;
     *out = plan;
     return SPARGE_OK;
   });
@@ -113,6 +118,31 @@ SPARGE_API sparge_status_t sparge_plan_workspace_size(sparge_plan_t plan, size_t
     SPARGE_TRY(check_plan(plan));
     if (!bytes) return fail(SPARGE_ERR_INVALID_ARGUMENT, "bytes is NULL, expected a pointer to a size_t");
     *bytes = plan->ws.total;
+    return SPARGE_OK;
+  });
+}
+
+SPARGE_API sparge_status_t sparge_plan_kernel_info(sparge_plan_t plan, sparge_kernel_info_t* info) {
+  return guarded("sparge_plan_kernel_info", [&]() -> sparge_status_t {
+    SPARGE_TRY(check_plan(plan));
+    if (!info) return fail(SPARGE_ERR_INVALID_ARGUMENT, "info is NULL, expected a sparge_kernel_info_t to fill");
+    if (info->struct_size < sizeof(sparge_kernel_info_t))
+      return fail(SPARGE_ERR_INVALID_ARGUMENT,
+                  "info->struct_size is %zu, expected >= %zu (sizeof(sparge_kernel_info_t))", info->struct_size,
+                  sizeof(sparge_kernel_info_t));
+    const Problem& p = plan->prob;
+    if (p.device == SPARGE_DEVICE_CUDA) return cuda::kernel_info(*plan, info);
+    sparge_kernel_info_t r;
+    std::memset(&r, 0, sizeof r);
+    r.struct_size = sizeof r;
+    std::snprintf(r.family, sizeof r.family, "cpu");
+    std::snprintf(r.name, sizeof r.name, "cpu_reference");
+    r.head_dim = static_cast<int32_t>(p.D);
+    r.block_q = p.BQ;
+    // The online-softmax step of the int8 twins (core/kernel_traits.hpp);
+    // the other modes step one mask block at a time.
+    r.keys_per_step = p.quantized() ? blocks_per_step(p.precision, p.D) * 64 : p.BK;
+    *info = r;
     return SPARGE_OK;
   });
 }

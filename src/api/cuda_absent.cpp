@@ -15,10 +15,12 @@ sparge_status_t absent() {
 }  // namespace
 
 bool built() { return false; }
-sparge_status_t check_device(const Problem&, int* sm_version) {
+sparge_status_t check_device(const Problem&, int* sm_version, const void** kernel) {
   if (sm_version) *sm_version = 0;
+  if (kernel) *kernel = nullptr;
   return absent();
 }
+sparge_status_t kernel_info(const Plan&, sparge_kernel_info_t*) { return absent(); }
 sparge_status_t pointer_on_device(const void*, int, const char*) { return absent(); }
 sparge_status_t predict(const Plan&, const Tensor4&, const Tensor4&, const PredictConfig&, const MaskView&,
                         const KeptView*, void*, void*) {

@@ -1,5 +1,7 @@
 #include "api/validate.hpp"
 
+#include "core/kernel_traits.hpp"
+
 #include <cinttypes>
 #include <cmath>
 #include <initializer_list>
@@ -95,8 +97,8 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
     return fail(UNS,
                 "problem->precision is EXACT: CUDA plans support INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16 or FP16 (EXACT "
                 "is CPU only)");
-  if (gpu && in.head_dim != 64 && in.head_dim != 128)
-    return fail(UNS, "problem->head_dim is %" PRId64 ": CUDA plans support 64 or 128", in.head_dim);
+  if (gpu && !gpu_head_dim_supported(in.head_dim))
+    return fail(UNS, "problem->head_dim is %" PRId64 ": CUDA plans support 64, 96, 128 or 256", in.head_dim);
   if (!gpu && in.head_dim > 256)
     return fail(UNS, "problem->head_dim is %" PRId64 ": CPU plans support 1..256", in.head_dim);
   if (!std::isfinite(in.scale) || in.scale < 0.0f)
@@ -124,6 +126,7 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
   p.Lq = in.len_q;
   p.Lkv = in.len_kv;
   p.D = in.head_dim;
+  p.Dk = gpu ? gpu_kernel_head_dim(in.head_dim) : in.head_dim;
   p.dtype = sparge_dtype_t(dtype);
   p.device = sparge_device_type_t(device_type);
   p.device_id = in.device_id;

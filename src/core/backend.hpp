@@ -7,7 +7,8 @@
 struct sparge_plan {
   sparge::Problem prob;
   sparge::WorkspaceLayout ws;
-  int sm_version = 0;  // CUDA plans: major*10+minor of the device
+  int sm_version = 0;            // CUDA plans: major*10+minor of the device
+  const void* kernel = nullptr;  // CUDA plans: the attention kernel's registry entry (cuda/registry)
 };
 
 namespace sparge {
@@ -29,7 +30,11 @@ namespace cuda {
 bool built();
 // Checks that device `id` exists and is usable for `p`; fills sm_version.
 // Called once by sparge_create_plan (host-side driver queries are allowed there).
-sparge_status_t check_device(const Problem& p, int* sm_version);
+// The device, the preparation's limits and the attention kernel of `p`
+// (from the kernel registry); every reason to refuse the plan.
+sparge_status_t check_device(const Problem& p, int* sm_version, const void** kernel);
+// The chosen kernel's facts for sparge_plan_kernel_info.
+sparge_status_t kernel_info(const Plan& plan, sparge_kernel_info_t* info);
 // True when `ptr` is device (or managed) memory of device `id`.
 sparge_status_t pointer_on_device(const void* ptr, int device_id, const char* name);
 sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, const PredictConfig& cfg,

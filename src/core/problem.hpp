@@ -27,6 +27,9 @@ constexpr int kGpuColChunk = 512;
 
 struct Problem {
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lkv = 0, D = 0;
+  // Width of Q/K/V rows inside the backend: D on the CPU; on CUDA the
+  // kernels' head dim (core/kernel_traits.hpp: D padded to a multiple of 64).
+  int64_t Dk = 0;
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   sparge_device_type_t device = SPARGE_DEVICE_CPU;
   int device_id = 0;

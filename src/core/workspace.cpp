@@ -34,7 +34,7 @@ WorkspaceLayout plan_workspace(const Problem& p) {
   a.take({1});  // offset 0 means "unused": keep every real region above it
   const uint64_t f = sizeof(float), i32 = sizeof(int32_t);
   const uint64_t B = uint64_t(p.B), Hq = uint64_t(p.Hq), Hkv = uint64_t(p.Hkv);
-  const uint64_t D = uint64_t(p.D), nQB = uint64_t(p.nQB), nKB = uint64_t(p.nKB);
+  const uint64_t D = uint64_t(p.Dk > 0 ? p.Dk : p.D), nQB = uint64_t(p.nQB), nKB = uint64_t(p.nKB);
   w.k_mean = a.take({B, Hkv, D, f});
   w.pooled_q = a.take({B, Hq, nQB, D, f});
   w.sim_q = a.take({B, Hq, nQB, f});

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "core/kernel_traits.hpp"
 #include "cpu/common.hpp"
 
 namespace sparge {
@@ -11,10 +12,6 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kTile = 64;  // online-softmax key tile (FP16 and the int8 modes)
-constexpr int kInt8Fp8TilesPerStep = 2;  // INT8_FP8 steps over pairs of listed tiles (128 keys)
-// INT8_FP16 steps over the listed tiles as the sm_90a kernel does: three at a
-// time at D = 64 (192 keys), else two (128 keys).
-inline int int8fp16_tiles_per_step(int64_t D) { return D == 64 ? 3 : 2; }
 constexpr float kLn2 = 0.693147180559945309f;
 
 // 2^(t - mx) for t <= mx. Equal to std::exp2(t - mx) whenever the difference is
@@ -251,7 +248,8 @@ void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vect
 void head_int8(const Problem& p, const std::vector<float>& qh, const std::vector<float>& vh, const QuantKV& kv,
                const float* mu, const MaskView& mask, const HeadIO& io) {
   const bool fp8 = p.fp8_pv();
-  const int per_step = fp8 ? kInt8Fp8TilesPerStep : int8fp16_tiles_per_step(p.D);
+  // The GPU kernels' step (core/kernel_traits.hpp): P is rounded against its max.
+  const int per_step = blocks_per_step(p.precision, p.D);
   const int64_t D = p.D;
   const float cexp = p.scale * kLog2e;
   std::vector<int8_t> q8(static_cast<size_t>(D));

@@ -3,15 +3,18 @@
 // stream: no allocation, no host synchronization (CUDA-graph capturable).
 #include <cuda_runtime.h>
 
-#include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/common/switches.hpp"
 #include "cuda/predict/predict.cuh"
 #include "cuda/prepare/prepare.cuh"
+#include "cuda/registry/registry.hpp"
 
 namespace sparge {
 namespace cuda {
@@ -54,20 +57,47 @@ MaskView workspace_mask(const Problem& p, void* ws, size_t off) {
   return m;
 }
 
+// The plan's attention kernel for these tensors, set up (every check, the
+// tensor maps) with nothing queued. The sm_90a FP16 kernel hands a call whose
+// strides its tensor maps cannot express to the portable kernel of the same
+// key (an error under SPARGE_FP16_KERNEL=sm90, which tests use to prove the
+// kernel they ran).
+sparge_status_t setup_attention(const Plan& plan, const AttnArgs& a, LaunchBlob* blob, const KernelEntry** out) {
+  const KernelEntry* e = static_cast<const KernelEntry*>(plan.kernel);
+  if (e == nullptr) return fail(SPARGE_ERR_INTERNAL, "plan: a CUDA plan without an attention kernel");
+  bool applies = false;
+  SPARGE_TRY(e->setup(a, blob, &applies));
+  if (!applies) {
+    if (dev_switches().fp16 == Fp16Choice::kSm90Only)
+      return fail(SPARGE_ERR_UNSUPPORTED,
+                  "fp16 attention: the sm_90a kernel does not apply (a tensor map for these strides) and "
+                  "SPARGE_FP16_KERNEL=sm90 forbids the portable fallback");
+    KernelKey key = e->key;
+    key.family = Family::kPortable;
+    const KernelEntry* f = find_kernel(key);
+    if (f == nullptr)
+      return fail(SPARGE_ERR_UNSUPPORTED,
+                  "q, k, v: the sm_90a %s kernel's tensor maps cannot express these strides (e.g. rows that "
+                  "overlap), and the portable family has no kernel for head_dim %d",
+                  e->name, key.head_dim);
+    SPARGE_TRY(f->supports(a.prob));
+    SPARGE_TRY(f->setup(a, blob, &applies));
+    if (!applies) return fail(SPARGE_ERR_INTERNAL, "the portable fp16 kernel declined a call");
+    e = f;
+  }
+  *out = e;
+  return SPARGE_OK;
+}
+
 }  // namespace
 
 bool built() { return true; }
 
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("SPARGE_PDL");
-    return !(e != nullptr && std::strcmp(e, "0") == 0);
-  }();
-  return on;
-}
+bool pdl_enabled() { return dev_switches().pdl; }
 
-sparge_status_t check_device(const Problem& p, int* sm_version) {
+sparge_status_t check_device(const Problem& p, int* sm_version, const void** kernel) {
   if (sm_version) *sm_version = 0;
+  if (kernel) *kernel = nullptr;
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
@@ -81,17 +111,40 @@ sparge_status_t check_device(const Problem& p, int* sm_version) {
     return fail(SPARGE_ERR_NO_DEVICE, "problem.device_id %d: no such CUDA device (%d present)", p.device_id, n);
   cudaDeviceProp prop;
   SPARGE_CUDA_TRY(cudaGetDeviceProperties(&prop, p.device_id));
-  if (sm_version) *sm_version = prop.major * 10 + prop.minor;
-  if (prop.major != 9 || prop.minor != 0)
-    return fail(SPARGE_ERR_UNSUPPORTED,
-                "CUDA device %d (%s) has compute capability %d.%d; this build carries sm_90a code only "
-                "(compute capability 9.0)",
-                p.device_id, prop.name, prop.major, prop.minor);
+  const int sm = prop.major * 10 + prop.minor;
+  if (sm_version) *sm_version = sm;
   if (!p.quantized() && p.precision != SPARGE_PRECISION_FP16)
     return fail(SPARGE_ERR_UNSUPPORTED,
                 "precision %d: the CUDA backend runs INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16 and FP16 only",
                 int(p.precision));
-  return predict_supported(p);
+  SPARGE_TRY(predict_supported(p));
+  const KernelEntry* entry = nullptr;
+  const sparge_status_t st = choose_kernel(p, sm, &entry);
+  if (st != SPARGE_OK) {
+    const std::string why = last_error_text();
+    return fail(st, "CUDA device %d (%s): %s", p.device_id, prop.name, why.c_str());
+  }
+  if (kernel) *kernel = entry;
+  return SPARGE_OK;
+}
+
+sparge_status_t kernel_info(const Plan& plan, sparge_kernel_info_t* info) {
+  const KernelEntry* e = static_cast<const KernelEntry*>(plan.kernel);
+  if (e == nullptr) return fail(SPARGE_ERR_INTERNAL, "plan: a CUDA plan without an attention kernel");
+  sparge_kernel_info_t r;
+  std::memset(&r, 0, sizeof r);
+  r.struct_size = sizeof r;
+  std::snprintf(r.family, sizeof r.family, "%s", family_name(e->key.family));
+  std::snprintf(r.name, sizeof r.name, "%s", e->name);
+  r.sm_version = plan.sm_version;
+  r.head_dim = e->kernel_head_dim;
+  r.block_q = e->block_q;
+  r.keys_per_step = e->keys_per_step;
+  r.stages = e->stages;
+  r.threads = e->threads;
+  r.smem_bytes = e->smem_bytes;
+  *info = r;
+  return SPARGE_OK;
 }
 
 sparge_status_t pointer_on_device(const void* ptr, int device_id, const char* name) {
@@ -142,29 +195,6 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   // The pooled means and self-similarities are needed only when the mask is
   // predicted here.
   const bool predict_here = (mask == nullptr);
-  // Layout checks the kernels need, before the preparation runs.
-  if (int8) SPARGE_TRY(check_int8fp8_out(out));
-  if (int8 && !p.fp8_pv()) SPARGE_TRY(check_int8fp16_v(v));
-  // INT8_FP16 uses V as given: no V statistics, no V pass.
-  if (int8)
-    SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,
-                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr));
-  else if (predict_here)
-    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
-                            /*lse_shift=*/false));
-
-  if (mask == nullptr) {
-    const MaskView wm = workspace_mask(p, workspace, L.mask);
-    KeptView wk;
-    wk.data = ws_ptr<int32_t>(workspace, L.kept);
-    wk.stride[0] = p.Hq;
-    wk.stride[1] = 1;
-    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s));
-    SPARGE_TRY(launch_mask_to_lists(plan, wm, workspace, s));
-  } else {
-    SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));
-  }
-
   AttnArgs a;
   a.prob = p;
   if (int8) {
@@ -187,9 +217,32 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   a.order = ws_ptr<const int32_t>(workspace, L.order);
   a.out = out;
   if (lse) a.lse = *lse;
-  if (p.fp8_pv()) return launch_attention_sm90_int8fp8(a, s);
-  if (int8) return launch_attention_sm90_int8fp16(a, s);
-  return launch_attention_fp16(a, s);
+  // Every check of the attention kernel and its tensor maps, before anything
+  // is queued.
+  LaunchBlob blob;
+  const KernelEntry* entry = nullptr;
+  SPARGE_TRY(setup_attention(plan, a, &blob, &entry));
+
+  if (int8)
+    SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,
+                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr));
+  else if (predict_here)
+    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
+                            /*lse_shift=*/false));
+
+  if (mask == nullptr) {
+    const MaskView wm = workspace_mask(p, workspace, L.mask);
+    KeptView wk;
+    wk.data = ws_ptr<int32_t>(workspace, L.kept);
+    wk.stride[0] = p.Hq;
+    wk.stride[1] = 1;
+    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s));
+    SPARGE_TRY(launch_mask_to_lists(plan, wm, workspace, s));
+  } else {
+    SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));
+  }
+
+  return entry->run(blob, s);
 }
 
 }  // namespace cuda

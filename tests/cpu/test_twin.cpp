@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/kernel_traits.hpp"
 #include "test_util.hpp"
 
 using namespace sparge_test;
@@ -302,22 +303,27 @@ TEST_CASE("twin: bit-identical to a second transcription of the steps", "[cpu][t
           const bool on = layout == 0 ? (rng() % 4) != 0 : ((i + j) % 3) != 1;
           mask.set(0, 0, i, j, on ? 1.0f : 0.0f);
         }
+      REQUIRE(sparge::blocks_per_step(prec, D) == 2);
       CHECK(twin_mismatches(plan, tq, tk, tv, mask, q, k, v, Lq, Lkv, D, bq, bk, causal, smooth, vmode, 2,
                             SPARGE_DTYPE_FLOAT32) == 0);
     }
 }
 
-// INT8_FP16 as the sm_90a kernel runs it: 16-bit inputs (P rounded to their
-// type before P.V) and steps of three listed tiles at D = 64, two otherwise.
+// INT8_FP16 as the sm_90a kernels run it: 16-bit inputs (P rounded to their
+// type before P.V) and the kernels' steps (core/kernel_traits.hpp): three
+// listed tiles at D = 64, two up to 128 (D = 96 runs the 128-wide kernel), one
+// at D = 256.
 TEST_CASE("twin: INT8_FP16 on 16-bit inputs, bit-identical to the transcription", "[cpu][twin]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (auto dt : {SPARGE_DTYPE_BFLOAT16, SPARGE_DTYPE_FLOAT16})
-    for (int64_t D : {int64_t(64), int64_t(40)})
+    for (int64_t D : {int64_t(64), int64_t(40), int64_t(96), int64_t(256)})
       for (bool causal : {false, true}) {
         INFO("dtype " << int(dt) << " D " << D << " causal " << causal);
+        const int per_step = D == 64 ? 3 : D == 256 ? 1 : 2;
+        REQUIRE(sparge::blocks_per_step(SPARGE_PRECISION_INT8_FP16, D) == per_step);
         // 450 keys: eight tiles, a ragged last one; 64-key mask blocks with a
         // pattern of gaps, so the listed tiles are not consecutive.
         const int64_t Lq = 150, Lkv = 450;
@@ -344,7 +350,7 @@ TEST_CASE("twin: INT8_FP16 on 16-bit inputs, bit-identical to the transcription"
         HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, nQB, nKB});
         for (int64_t i = 0; i < nQB; ++i)
           for (int64_t j = 0; j < nKB; ++j) mask.set(0, 0, i, j, ((i + j) % 3) != 1 ? 1.0f : 0.0f);
-        CHECK(twin_mismatches(plan, tq, tk, tv, mask, q, k, v, Lq, Lkv, D, bq, bk, causal, true, 2, D == 64 ? 3 : 2,
-                              dt) == 0);
+        CHECK(twin_mismatches(plan, tq, tk, tv, mask, q, k, v, Lq, Lkv, D, bq, bk, causal, true, 2, per_step, dt) ==
+              0);
       }
 }

@@ -188,8 +188,8 @@ TEST_CASE("create_plan rejects bad problems", "[cpu][validation]") {
     sparge_problem_t c = good;
     c.device_type = SPARGE_DEVICE_CUDA;
     sparge_problem_t p = c;
-    p.head_dim = 96;
-    check_create_fails(p, SPARGE_ERR_UNSUPPORTED, "head_dim");
+    for (int64_t d : {32, 80, 160, 192})  // the GPU kernels' head dims are 64, 96, 128 and 256
+      p.head_dim = d, check_create_fails(p, SPARGE_ERR_UNSUPPORTED, "head_dim");
     p = c;
     p.precision = SPARGE_PRECISION_EXACT;
     check_create_fails(p, SPARGE_ERR_UNSUPPORTED, "precision");

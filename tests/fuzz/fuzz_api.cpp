@@ -206,7 +206,8 @@ Expect expect_plan(const sparge_problem_t& p, Resolved* res) {
   if (gpu && dt == SPARGE_DTYPE_FLOAT32) return F(UNS, "dtype");
   if (prec < 0 || prec > 4) return F(INV, "precision");
   if (gpu && prec == SPARGE_PRECISION_EXACT) return F(UNS, "precision");
-  if (gpu ? (p.head_dim != 64 && p.head_dim != 128) : p.head_dim > 256) return F(UNS, "head_dim");
+  const bool gpu_dim = p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == 256;
+  if (gpu ? !gpu_dim : p.head_dim > 256) return F(UNS, "head_dim");
   if (!std::isfinite(p.scale) || p.scale < 0) return F(INV, "scale");
   if (p.block_q < 0) return F(INV, "block_q");
   if (p.block_k < 0) return F(INV, "block_k");

@@ -60,22 +60,48 @@ def gen_rs_16_tb(dt, n):
     return gen_wrapper(f"wgmma_m64n{n}k16_{dt}_rs_tb", f"m64n{n}k16.f32.{dt}.{dt}", n, True, "f32", [1, 1, 1])
 
 
-def gen_dispatch16():
-    # The 16-bit shapes by element type, for kernels templated on it.
-    out = ["// The 16-bit instructions by element type: Wgmma16<__half>, Wgmma16<__nv_bfloat16>.",
-           "template <class T>", "struct Wgmma16;"]
+# The shapes the kernels use (N of Q.K^T = keys per step; N of P.V = kernel head dim).
+S8_QK_N = (64, 128, 192)
+E4M3_PV_N = (64, 128)
+F16_QK_N = (64, 128, 192)
+F16_PV_N = (64, 128, 256)
+
+
+def gen_chain(call, ns, args):
+    # An if-constexpr chain over N selecting the wrapper of that shape.
+    out = []
+    for i, n in enumerate(ns):
+        kw = "if constexpr" if i == 0 else "else if constexpr"
+        out.append(f"  {kw} (N == {n}) {call.format(n=n)}({args});")
+    out.append(f"  else static_assert(N == {ns[0]}, \"no wgmma wrapper of this N: add it to tools/gen/gen_wgmma.py\");")
+    return out
+
+
+def gen_dispatch():
+    # Templates by N (and by element type for the 16-bit shapes), so kernel
+    # traits pick shapes by value.
+    out = ["// The shapes by N: wgmma_s8_ss<N>, wgmma_e4m3_rs<N>, and by element type",
+           "// Wgmma16<__half>, Wgmma16<__nv_bfloat16>.",
+           "template <int N>",
+           "__device__ __forceinline__ void wgmma_s8_ss(int32_t (&d)[N / 2], uint64_t a, uint64_t b, int scale_d) {"]
+    out += gen_chain("wgmma_m64n{n}k32_s8s8", S8_QK_N, "d, a, b, scale_d")
+    out.append("}")
+    out.append("template <int N>")
+    out.append("__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {")
+    out += gen_chain("wgmma_m64n{n}k32_e4m3_rs", E4M3_PV_N, "d, a, b, scale_d")
+    out.append("}")
+    out.append("template <class T>")
+    out.append("struct Wgmma16;")
     for ctype, dt in (("__half", "f16"), ("__nv_bfloat16", "bf16")):
         out.append("template <>")
         out.append(f"struct Wgmma16<{ctype}> {{")
         out.append("  template <int N>")
         out.append("  static __device__ __forceinline__ void ss_m64nNk16(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d) {")
-        out.append(f"    if constexpr (N == 192) wgmma_m64n192k16_{dt}_ss(d, a, b, scale_d);")
-        out.append(f"    else wgmma_m64n128k16_{dt}_ss(d, a, b, scale_d);")
+        out += ["  " + x for x in gen_chain(f"wgmma_m64n{{n}}k16_{dt}_ss", F16_QK_N, "d, a, b, scale_d")]
         out.append("  }")
         out.append("  template <int N>")
         out.append("  static __device__ __forceinline__ void rs_tb_m64nNk16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {")
-        out.append(f"    if constexpr (N == 128) wgmma_m64n128k16_{dt}_rs_tb(d, a, b, scale_d);")
-        out.append(f"    else wgmma_m64n64k16_{dt}_rs_tb(d, a, b, scale_d);")
+        out += ["  " + x for x in gen_chain(f"wgmma_m64n{{n}}k16_{dt}_rs_tb", F16_PV_N, "d, a, b, scale_d")]
         out.append("  }")
         out.append("};")
     return "\n".join(out)
@@ -90,20 +116,20 @@ def main():
     print("#include <cstdint>")
     print()
     print("namespace sparge {\nnamespace cuda {\nnamespace sm90 {\n")
-    for n in (64, 128, 192):
+    for n in S8_QK_N:
         print(gen_ss_s8(n))
         print()
-    for n in (64, 128):
+    for n in E4M3_PV_N:
         print(gen_rs_e4m3(n))
         print()
     for dt in ("f16", "bf16"):
-        for n in (128, 192):
+        for n in F16_QK_N:
             print(gen_ss_16(dt, n))
             print()
-        for n in (64, 128):
+        for n in F16_PV_N:
             print(gen_rs_16_tb(dt, n))
             print()
-    print(gen_dispatch16())
+    print(gen_dispatch())
     print()
     print("}  // namespace sm90\n}  // namespace cuda\n}  // namespace sparge")
 

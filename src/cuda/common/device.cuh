@@ -139,7 +139,7 @@ struct TypeTag {
   using type = T;
 };
 
-// Calls f(IntC<D>, TypeTag<T>) for the supported head dimensions (64, 128)
+// Calls f(IntC<D>, TypeTag<T>) for the kernels' head dimensions (64, 128, 256)
 // and 16-bit input types; returns false when the combination is not built.
 template <class F>
 inline bool dispatch_dim_type(int64_t D, sparge_dtype_t dt, F&& f) {
@@ -148,6 +148,8 @@ inline bool dispatch_dim_type(int64_t D, sparge_dtype_t dt, F&& f) {
   if (D == 64 && bf) return f(IntC<64>{}, TypeTag<__nv_bfloat16>{}), true;
   if (D == 128 && h) return f(IntC<128>{}, TypeTag<__half>{}), true;
   if (D == 128 && bf) return f(IntC<128>{}, TypeTag<__nv_bfloat16>{}), true;
+  if (D == 256 && h) return f(IntC<256>{}, TypeTag<__half>{}), true;
+  if (D == 256 && bf) return f(IntC<256>{}, TypeTag<__nv_bfloat16>{}), true;
   return false;
 }
 

@@ -60,29 +60,17 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
 // Mask (any strides) -> idx/cnt/order in the workspace (causally invisible blocks dropped).
 sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, void* ws, cudaStream_t stream);
 
-// --- attention kernel families (src/cuda/attention/) ------------------------
-sparge_status_t launch_attention_sm90_int8fp8(const AttnArgs& a, cudaStream_t stream);
-// Head dim, block sizes, dtype and 32-bit coordinate limits of the sm_90a int8
-// kernels (`mode` names the precision in the message).
-sparge_status_t check_sm90_int8_problem(const Problem& pb, const char* mode);
-// Whether the int8 kernels (INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16) can store
-// `out` (rows 4-byte aligned); checked before any launch of an attention
-// call. UNSUPPORTED naming out otherwise.
-sparge_status_t check_int8fp8_out(const Tensor4& out);
-// INT8_FP16: the sm_90a kernel of the FP16 mode with int8 Q.K^T (Q and K from
-// the workspace, V from the caller's tensor through a TMA map).
-sparge_status_t launch_attention_sm90_int8fp16(const AttnArgs& a, cudaStream_t stream);
-// Whether the INT8_FP16 kernel can read `v` through a TMA map (16-byte aligned
-// pointer, strides multiples of 8 elements); checked before any launch of an
-// attention call. UNSUPPORTED naming v otherwise.
-sparge_status_t check_int8fp16_v(const Tensor4& v);
-// FP16 mode: the sm_90a wgmma kernel when it applies (TMA can express the
-// tensors' strides; SPARGE_FP16_KERNEL=portable turns it off), else the
-// portable mma.sync kernel.
-sparge_status_t launch_attention_fp16(const AttnArgs& a, cudaStream_t stream);
-// Launches the sm_90a FP16-mode kernel and sets *launched, or leaves
-// *launched false (and returns SPARGE_OK) when it does not apply.
-sparge_status_t launch_attention_sm90_fp16(const AttnArgs& a, cudaStream_t stream, bool* launched);
+// --- attention kernel families (src/cuda/attention/, through src/cuda/registry/)
+// Layout checks on the caller's tensors shared by the families' setups
+// (UNSUPPORTED naming the tensor and the mode):
+// rows moved in 16-byte pieces (16-byte aligned pointer, B/H/L strides
+// multiples of 8 elements);
+sparge_status_t check_rows16(const Tensor4& t, const char* name, const char* mode);
+// the same rule as the message of a tensor a TMA map could not express;
+sparge_status_t check_tma_rows16(const Tensor4& t, const char* name, const char* mode);
+// an output written in pairs of 16-bit elements (4-byte aligned pointer, even
+// B/H/L strides).
+sparge_status_t check_out_pairs(const Tensor4& out);
 
 }  // namespace cuda
 }  // namespace sparge

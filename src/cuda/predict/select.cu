@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
   const int64_t qb_last = min(p.nQB, qb0 + kST) - 1;
   if (kb0 >= visible_key_blocks(p, qb_last)) return;  // nothing visible in this tile (uniform)
 
-  const int D = int(p.D);
+  const int D = int(p.Dk);  // pooled rows are stored at the kernels' width (zero padding)
   const float* pq = a.pooled_q + (int64_t(bh) * p.nQB) * D;
   const float* pk = a.pooled_k + (int64_t(bhk) * p.nKB) * D;
   const int tx = tid % 16, ty = tid / 16;

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "core/error.hpp"
+#include "core/kernel_traits.hpp"
 #include "cuda/common/device.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
@@ -30,6 +31,7 @@ constexpr int kThreads = 256;
 // ---------------------------------------------------------------- column statistics
 struct ColArgs {
   Tensor4 k, v;
+  int d_in;  // the tensors' head dim (columns at or past it read as zeros: the padding to the kernels' width D)
   int64_t Hkv, Lkv, nchunk, nKB;
   bool do_k, do_v;
   double* ksum;  // [B*Hkv, nchunk, D]
@@ -70,8 +72,8 @@ __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs 
       kr[u] = make_uint4(0, 0, 0, 0);
       vr[u] = make_uint4(0, 0, 0, 0);
       if (rr < r1) {
-        if (a.do_k) kr[u] = load8_raw<VEC>(kp + a.k.offset(b, hk, rr, cg * 8));
-        if (a.do_v) vr[u] = load8_raw<VEC>(vp + a.v.offset(b, hk, rr, cg * 8));
+        if (a.do_k && cg * 8 < a.d_in) kr[u] = load8_raw<VEC>(kp + a.k.offset(b, hk, rr, cg * 8));
+        if (a.do_v && cg * 8 < a.d_in) vr[u] = load8_raw<VEC>(vp + a.v.offset(b, hk, rr, cg * 8));
       }
     }
     float bs[8];
@@ -233,21 +235,23 @@ __device__ __forceinline__ void load_f8(const float* p, float (&x)[8]) {
 }
 
 // A thread's share of a block of rows of one (b, h): rows row0 + it*RPI + lr,
-// elements cg*8 .. cg*8+7; rows at or past `rows` read as zeros.
+// elements cg*8 .. cg*8+7; rows at or past `rows` and columns at or past
+// `d_in` (the padding of a head dim to the kernels' width) read as zeros.
 template <int ITER, int RPI, class T, bool VEC>
 __device__ __forceinline__ void load_rows8(const Tensor4& t, uint32_t b, uint32_t h, int64_t row0, int lr, int cg,
-                                           int64_t rows, uint4 (&raw)[ITER]) {
+                                           int64_t rows, int d_in, uint4 (&raw)[ITER]) {
   const T* base = static_cast<const T*>(t.data);
 #pragma unroll
   for (int it = 0; it < ITER; ++it) {
     const int64_t row = row0 + it * RPI + lr;
-    raw[it] = row < rows ? load8_raw<VEC>(base + t.offset(b, h, row, cg * 8)) : make_uint4(0, 0, 0, 0);
+    raw[it] = (row < rows && cg * 8 < d_in) ? load8_raw<VEC>(base + t.offset(b, h, row, cg * 8)) : make_uint4(0, 0, 0, 0);
   }
 }
 
 // ---------------------------------------------------------------- Q pass
 struct QArgs {
   Tensor4 q;
+  int d_in;  // the tensor's head dim (see ColArgs)
   int64_t Hq, Hkv, group, Lq, nQB;
   float scale;
   bool smooth, quant;
@@ -273,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
   const int64_t row0 = qb * kGpuBlockQ;
 
   uint4 raw[ITER];
-  load_rows8<ITER, RPI, T, VEC>(a.q, b, h, row0, lr, cg, a.Lq, raw);
+  load_rows8<ITER, RPI, T, VEC>(a.q, b, h, row0, lr, cg, a.Lq, a.d_in, raw);
   float mu[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) mu[c] = 0.f;
@@ -316,6 +320,7 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
 // ---------------------------------------------------------------- K pass
 struct KArgs {
   Tensor4 k;
+  int d_in;  // the tensor's head dim (see ColArgs)
   int64_t Hkv, Lkv, nKB;
   bool smooth, quant;
   bool pool;            // pooled mean and self-similarity (for the mask prediction)
@@ -339,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
   const int64_t row0 = kb * kGpuBlockK;
 
   uint4 raw[ITER];
-  load_rows8<ITER, RPI, T, VEC>(a.k, b, hk, row0, lr, cg, a.Lkv, raw);
+  load_rows8<ITER, RPI, T, VEC>(a.k, b, hk, row0, lr, cg, a.Lkv, a.d_in, raw);
   float mu[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) mu[c] = 0.f;
@@ -381,6 +386,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
 // ---------------------------------------------------------------- V pass
 struct VArgs {
   Tensor4 v;
+  int d_in;  // the tensor's head dim (see ColArgs)
   int64_t Hkv, Lkv, lk_pad, ntile;
   const float* v_amax;  // [B*Hkv, D]
   uint8_t* v_f8;        // [B*Hkv, D, lk_pad]
@@ -418,7 +424,7 @@ __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t j = g + perm32(kk0 + i);
-    raw[i] = j < a.Lkv ? load8_raw<VEC>(vp + a.v.offset(b, hk, j, c0)) : make_uint4(0, 0, 0, 0);
+    raw[i] = (j < a.Lkv && c0 < a.d_in) ? load8_raw<VEC>(vp + a.v.offset(b, hk, j, c0)) : make_uint4(0, 0, 0, 0);
   }
   float inv[8];
   bool nz[8];
@@ -471,8 +477,8 @@ bool grid_ok(int64_t blocks) { return blocks > 0 && blocks <= int64_t(0x7fffffff
 }  // namespace
 
 sparge_status_t predict_supported(const Problem& p) {
-  if (p.D != 64 && p.D != 128)
-    return fail(SPARGE_ERR_UNSUPPORTED, "head_dim %lld: the CUDA backend supports 64 and 128",
+  if (!gpu_head_dim_supported(p.D))
+    return fail(SPARGE_ERR_UNSUPPORTED, "head_dim %lld: the CUDA backend supports 64, 96, 128 and 256",
                 (long long)p.D);
   if (p.dtype != SPARGE_DTYPE_FLOAT16 && p.dtype != SPARGE_DTYPE_BFLOAT16)
     return fail(SPARGE_ERR_UNSUPPORTED, "dtype %d: the CUDA backend takes float16 or bfloat16 inputs",
@@ -494,7 +500,7 @@ sparge_status_t predict_supported(const Problem& p) {
 // the one dispatch of every preparation pass kernel.
 template <class F>
 void dispatch_pass(const Problem& p, bool vec, F&& f) {
-  dispatch_dim_type(p.D, p.dtype, [&](auto dc, auto tt) {
+  dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
     if (vec)
       f(dc, tt, std::true_type{});
     else
@@ -520,7 +526,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   const int64_t lk_pad = p.nKB * kGpuBlockK;
 
   double* ksum = ws_ptr<double>(base, L.col_part);
-  float* vmax = reinterpret_cast<float*>(ksum + bhk * nchunk * p.D);
+  float* vmax = reinterpret_cast<float*>(ksum + bhk * nchunk * p.Dk);
   float* k_mean = ws_ptr<float>(base, L.k_mean);
   float* v_amax = ws_ptr<float>(base, L.v_amax);
 
@@ -533,6 +539,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   if (do_k || do_v) {
     ColArgs ca;
     ca.k = k;
+    ca.d_in = int(p.D);
     ca.v = do_v ? *v : k;
     ca.Hkv = p.Hkv, ca.Lkv = p.Lkv, ca.nchunk = nchunk, ca.nKB = p.nKB;
     ca.do_k = do_k, ca.do_v = do_v;
@@ -549,14 +556,14 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   }
   SPARGE_PDL_CHECK(launch_pdl(col_finalize_kernel, dim3(unsigned(bhk)), dim3(kFinThreads), 0, stream,
                               static_cast<const double*>(ksum), static_cast<const float*>(vmax), nchunk, p.Lkv,
-                              int(p.D), do_k, do_v, k_mean, do_v ? v_amax : nullptr),
+                              int(p.Dk), do_k, do_v, k_mean, do_v ? v_amax : nullptr),
                    "sparge column statistics finalize kernel");
   if (fused_kpool) {
-    const int64_t total4 = bhk * p.nKB * p.D / 4;
+    const int64_t total4 = bhk * p.nKB * p.Dk / 4;
     const int64_t blocks = std::min<int64_t>(ceil_div(total4, 256), 132 * 16);
     SPARGE_PDL_CHECK(launch_pdl(pooled_sub_mean_kernel, dim3(unsigned(blocks)), dim3(256), 0, stream,
                                 ws_ptr<float4>(base, L.pooled_k), reinterpret_cast<const float4*>(k_mean), p.nKB,
-                                int(p.D / 4), total4),
+                                int(p.Dk / 4), total4),
                      "sparge pooled-K smoothing kernel");
   }
 
@@ -564,6 +571,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   {
     QArgs qa;
     qa.q = q;
+    qa.d_in = int(p.D);
     qa.Hq = p.Hq, qa.Hkv = p.Hkv, qa.group = p.group(), qa.Lq = p.Lq, qa.nQB = p.nQB;
     qa.scale = p.scale;
     qa.smooth = do_k, qa.quant = quant, qa.pool = pool, qa.lse_shift = lse_shift;
@@ -586,6 +594,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   if (!fused_kpool) {
     KArgs ka;
     ka.k = k;
+    ka.d_in = int(p.D);
     ka.Hkv = p.Hkv, ka.Lkv = p.Lkv, ka.nKB = p.nKB;
     ka.smooth = do_k, ka.quant = quant, ka.pool = pool;
     ka.k_mean = k_mean;
@@ -606,6 +615,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   if (do_v) {
     VArgs va;
     va.v = *v;
+    va.d_in = int(p.D);
     va.Hkv = p.Hkv, va.Lkv = p.Lkv, va.lk_pad = lk_pad, va.ntile = ceil_div(lk_pad, 128);
     va.v_amax = v_amax;
     va.v_f8 = ws_ptr<uint8_t>(base, L.v_f8);

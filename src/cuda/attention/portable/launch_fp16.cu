@@ -1,61 +1,43 @@
-// Dispatch for the FP16-mode attention kernels: checks what they need (head
-// dim, 16-byte aligned rows), then runs the sm_90a wgmma kernel where it
-// applies, else fills the portable kernel's parameters and picks its instance.
+// The portable family's registry table: the FP16-mode mma.sync kernel
+// (attn_fp16.cuh; instances in attn_fp16_<dtype>.cu) for head dims 64 and 128.
+// It is the kernel of FP16 plans on devices without an sm_90a family, under
+// SPARGE_FP16_KERNEL=portable, and the fallback of the sm_90a FP16 kernel when
+// TMA cannot express a call's strides.
+#include <new>
+#include <type_traits>
+
 #include "cuda/attention/portable/attn_fp16.cuh"
+#include "cuda/registry/registry.hpp"
 
 namespace sparge {
 namespace cuda {
 
 namespace {
 
-// The kernel moves rows in 16-byte pieces: base pointer 16-byte aligned and
-// every non-unit stride a multiple of 8 elements.
-sparge_status_t check_rows16(const Tensor4& t, const char* name) {
-  const bool ok = (reinterpret_cast<uintptr_t>(t.data) % 16 == 0) && t.stride[0] % 8 == 0 &&
-                  t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0 && t.stride[3] == 1;
-  if (!ok)
+struct PortableLaunch {
+  fp16attn::Params p;
+  int64_t grid;
+};
+static_assert(sizeof(PortableLaunch) <= sizeof(LaunchBlob), "the launch blob holds the portable launch");
+static_assert(std::is_trivially_copyable<PortableLaunch>::value, "the launch blob is plain data");
+
+sparge_status_t portable_supports(const Problem& pr) {
+  if (pr.B * pr.Hq * pr.nQB > 0x7fffffffLL || pr.Lq > 0x3fffffffLL || pr.Lkv > 0x3fffffffLL)
     return fail(SPARGE_ERR_UNSUPPORTED,
-                "%s: the fp16 attention kernel needs a 16-byte aligned data pointer and B/H/L strides that are "
-                "multiples of 8 elements (got strides %lld, %lld, %lld, %lld)",
-                name, static_cast<long long>(t.stride[0]), static_cast<long long>(t.stride[1]),
-                static_cast<long long>(t.stride[2]), static_cast<long long>(t.stride[3]));
+                "problem (batch, heads, len_q, len_kv): too large for one launch of the portable fp16 kernel");
   return SPARGE_OK;
 }
 
-template <class T>
-sparge_status_t dispatch_dim(const fp16attn::Params& p, int64_t grid, int64_t D, bool causal, cudaStream_t s) {
-  if (D == 64) return causal ? fp16attn::launch<T, 64, true>(p, grid, s) : fp16attn::launch<T, 64, false>(p, grid, s);
-  if (D == 128)
-    return causal ? fp16attn::launch<T, 128, true>(p, grid, s) : fp16attn::launch<T, 128, false>(p, grid, s);
-  return fail(SPARGE_ERR_UNSUPPORTED, "fp16 attention: head dim %lld is not supported (64 or 128)",
-              static_cast<long long>(D));
-}
-
-}  // namespace
-
-sparge_status_t launch_attention_fp16(const AttnArgs& a, cudaStream_t stream) {
+sparge_status_t portable_setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
+  *applies = true;
+  SPARGE_TRY(check_rows16(a.q, "q", "fp16"));
+  SPARGE_TRY(check_rows16(a.k, "k", "fp16"));
+  SPARGE_TRY(check_rows16(a.v, "v", "fp16"));
+  SPARGE_TRY(check_rows16(a.out, "out", "fp16"));
+  PortableLaunch* s = reinterpret_cast<PortableLaunch*>(blob->bytes);  // plain data in an aligned blob
+  *s = PortableLaunch{};
   const Problem& pr = a.prob;
-  if (pr.D != 64 && pr.D != 128)
-    return fail(SPARGE_ERR_UNSUPPORTED, "fp16 attention: head dim %lld is not supported (64 or 128)",
-                static_cast<long long>(pr.D));
-  if (pr.BQ != fp16attn::kBQ || pr.BK != fp16attn::kBK)
-    return fail(SPARGE_ERR_UNSUPPORTED, "fp16 attention: mask blocks %dx%d are not supported (128x64)", pr.BQ,
-                pr.BK);
-  if (pr.dtype != SPARGE_DTYPE_FLOAT16 && pr.dtype != SPARGE_DTYPE_BFLOAT16)
-    return fail(SPARGE_ERR_UNSUPPORTED, "fp16 attention: dtype must be float16 or bfloat16");
-  SPARGE_TRY(check_rows16(a.q, "q"));
-  SPARGE_TRY(check_rows16(a.k, "k"));
-  SPARGE_TRY(check_rows16(a.v, "v"));
-  SPARGE_TRY(check_rows16(a.out, "out"));
-  const int64_t grid = pr.B * pr.Hq * pr.nQB;
-  if (grid == 0) return SPARGE_OK;
-  bool launched = false;
-  SPARGE_TRY(launch_attention_sm90_fp16(a, stream, &launched));
-  if (launched) return SPARGE_OK;
-  if (grid > 0x7fffffffLL || pr.Lq > 0x3fffffffLL || pr.Lkv > 0x3fffffffLL)
-    return fail(SPARGE_ERR_UNSUPPORTED, "fp16 attention: problem too large for one launch");
-
-  fp16attn::Params p{};
+  fp16attn::Params& p = s->p;
   p.q = a.q.data;
   p.k = a.k.data;
   p.v = a.v.data;
@@ -76,10 +58,45 @@ sparge_status_t launch_attention_fp16(const AttnArgs& a, cudaStream_t stream) {
   p.nQB = static_cast<int>(pr.nQB);
   p.nKB = static_cast<int>(pr.nKB);
   p.scale_log2 = pr.scale * kLog2e;
-
-  if (pr.dtype == SPARGE_DTYPE_FLOAT16) return dispatch_dim<__half>(p, grid, pr.D, pr.causal, stream);
-  return dispatch_dim<__nv_bfloat16>(p, grid, pr.D, pr.causal, stream);
+  s->grid = pr.B * pr.Hq * pr.nQB;
+  return SPARGE_OK;
 }
+
+template <class T, int D, bool kCausal>
+sparge_status_t portable_run(const LaunchBlob& blob, cudaStream_t stream) {
+  const PortableLaunch& s = *reinterpret_cast<const PortableLaunch*>(blob.bytes);
+  if (s.grid == 0) return SPARGE_OK;
+  return fp16attn::launch<T, D, kCausal>(s.p, s.grid, stream);
+}
+
+template <class T, int D, bool kCausal>
+constexpr KernelEntry portable_entry(sparge_dtype_t dtype, const char* name) {
+  return KernelEntry{{Family::kPortable, SPARGE_PRECISION_FP16, D, dtype, kCausal},
+                     name,
+                     D,
+                     fp16attn::kBQ,
+                     fp16attn::kBK,
+                     fp16attn::stages<D>(),
+                     fp16attn::kThreads,
+                     fp16attn::smem_bytes<D>(),
+                     &portable_supports,
+                     &portable_setup,
+                     &portable_run<T, D, kCausal>};
+}
+
+}  // namespace
+
+extern const KernelEntry kPortableKernels[] = {
+    portable_entry<__half, 64, false>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d64_f16"),
+    portable_entry<__nv_bfloat16, 64, false>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d64_bf16"),
+    portable_entry<__half, 64, true>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d64_f16_causal"),
+    portable_entry<__nv_bfloat16, 64, true>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d64_bf16_causal"),
+    portable_entry<__half, 128, false>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d128_f16"),
+    portable_entry<__nv_bfloat16, 128, false>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d128_bf16"),
+    portable_entry<__half, 128, true>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d128_f16_causal"),
+    portable_entry<__nv_bfloat16, 128, true>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d128_bf16_causal"),
+};
+extern const int kPortableKernelCount = 8;
 
 }  // namespace cuda
 }  // namespace sparge

@@ -1,5 +1,6 @@
 // Tensor-map helpers shared by the sm_90a kernels (host code).
 #include "cuda/attention/sm90/tensor_map.hpp"
+#include "cuda/common/switches.hpp"
 
 #include <cuda_runtime.h>
 
@@ -76,13 +77,7 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
-bool tma_store_from_env() {
-  static const bool on = [] {
-    const char* e = std::getenv("SPARGE_SM90_EPILOGUE");
-    return !(e != nullptr && std::strcmp(e, "direct") == 0);
-  }();
-  return on;
-}
+bool tma_store_from_env() { return dev_switches().tma_store; }
 
 }  // namespace sm90
 }  // namespace cuda

@@ -1,11 +1,13 @@
-// The CTA skeleton shared by the sm_90a attention kernels (INT8_FP8, and the
-// 16-bit P.V kernel of FP16 and INT8_FP16): which mask row a CTA computes, the
-// start of the mbarrier ring, the producer loop, and the consumers'
-// turn-taking around their wgmma batches.
+// The CTA-level pieces of the sm_90a kernel skeleton (kernel.cuh): the
+// parameter block, which mask row a CTA computes, the mbarrier ring and the
+// producer loop, the consumers' turn-taking around their wgmma batches, and
+// the TMA-store epilogue.
 #pragma once
 #include <cstdint>
 
-#include "cuda/attention/sm90/sm90_primitives.cuh"
+#include <cuda.h>
+
+#include "cuda/attention/sm90/primitives.cuh"
 #include "cuda/common/internal.cuh"
 
 namespace sparge {
@@ -15,9 +17,10 @@ namespace sm90 {
 constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
 constexpr int kEpiBar0 = 4;   // named barriers 4, 5: a consumer warpgroup's staged output tile is complete
 
-// Kernel parameters every sm_90a attention kernel takes: the work lists, the
-// output and LSE with their strides, and the problem's sizes.
-struct RowParams {
+// The one parameter block of every sm_90a attention kernel: the work lists,
+// the output and LSE with their strides, the problem's sizes, and the
+// preparation's scales (those a mainloop does not read stay null).
+struct Params {
   const int32_t* idx;
   const int32_t* cnt;
   const int32_t* order;
@@ -26,29 +29,20 @@ struct RowParams {
   float* lse;
   int64_t lse_stride[3];
   int Hq, group, Lq, Lkv, nQB, nKB;
-  float scale_log2;  // scale * log2(e)
-  int tma_store;     // the output goes out through shared memory and the tm_o tensor map
+  float scale_log2;      // scale * log2(e)
+  int tma_store;         // the output goes out through shared memory and the tm_o tensor map
+  int out_bf16;          // the output's 16-bit type (mainloops not templated on it)
+  const float* q_scale;  // [BHq, nQB*128]  int8 Q.K^T
+  const float* q_mu;     // [BHq, nQB*128]  int8 Q.K^T, written when an LSE is asked for
+  const float* k_scale;  // [BHkv, nKB]     int8 Q.K^T
+  const float* v_amax;   // [BHkv, Dk]      fp8 P.V
 };
 
-// Host side: RowParams from the attention arguments.
-inline void fill_row_params(const AttnArgs& a, RowParams* r) {
-  const Problem& pb = a.prob;
-  r->idx = a.idx;
-  r->cnt = a.cnt;
-  r->order = a.order;
-  r->out = a.out.data;
-  for (int i = 0; i < 4; ++i) r->out_stride[i] = a.out.stride[i];
-  r->lse = a.lse.data;
-  for (int i = 0; i < 3; ++i) r->lse_stride[i] = a.lse.stride[i];
-  r->Hq = static_cast<int>(pb.Hq);
-  r->group = static_cast<int>(pb.Hq / pb.Hkv);
-  r->Lq = static_cast<int>(pb.Lq);
-  r->Lkv = static_cast<int>(pb.Lkv);
-  r->nQB = static_cast<int>(pb.nQB);
-  r->nKB = static_cast<int>(pb.nKB);
-  r->scale_log2 = pb.scale * kLog2e;
-  r->tma_store = 0;  // set by the launcher once the output's tensor map is encoded
-}
+// The tensor maps a kernel reads (q, k, v, v2: the second V term of split V)
+// and writes (o), passed as __grid_constant__ kernel parameters.
+struct Maps {
+  CUtensorMap q, k, v, v2, o;
+};
 
 // Epilogue through shared memory and a TMA store: a consumer warpgroup's
 // 64 x D output tile. pair(c, half) gives the thread's two 16-bit values of
@@ -81,6 +75,34 @@ __device__ __forceinline__ void store_tile_tma(uint8_t* stage, int block_stride,
     for (int k = 0; k < D / 64; ++k) tma_store_4d(map, stage + k * block_stride, 64 * k, row_base, h, b);
     bulk_commit();
     bulk_wait_read_all();
+  }
+}
+
+// A consumer warpgroup's output rows and their LSE: the tile through the
+// TMA store (`tma`: staged at `stage`, see store_tile_tma) or by direct
+// 4-byte stores of the first Dout columns; Dk is the accumulator's width
+// (columns past Dout are padding, clipped by the output map). pair(c, half)
+// as for store_tile_tma; shift(half) is added to the row's LSE (the
+// smoothing shift q.mu of the int8 modes).
+template <int Dk, int Dout, class SM, class Pair, class Shift>
+__device__ __forceinline__ void write_output(const Params& p, const SM& sm, int b, int h, int cw, int tid, bool tma,
+                                             uint8_t* stage, int stage_stride, const CUtensorMap* map, Pair pair,
+                                             Shift shift) {
+  if (tma) store_tile_tma<Dk>(stage, stage_stride, map, cw, tid, sm.wg_row_min, h, b, pair);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = half ? sm.row1 : sm.row0;
+    if (row >= p.Lq) continue;
+    if (!tma) {
+      char* orow = static_cast<char*>(p.out) +
+                   2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] + int64_t(row) * p.out_stride[2]);
+#pragma unroll
+      for (int c = 0; c < Dout / 8; ++c)
+        *reinterpret_cast<uint32_t*>(orow + 2 * (8 * c + 2 * sm.quad)) = pair(c, half);
+    }
+    if (p.lse != nullptr && sm.quad == 0)
+      p.lse[int64_t(b) * p.lse_stride[0] + int64_t(h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] =
+          sm.lse(half) + shift(half);
   }
 }
 

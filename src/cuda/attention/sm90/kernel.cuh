@@ -1,0 +1,158 @@
+// The sm_90a attention kernel skeleton: one warp-specialized kernel for every
+// mainloop (mainloop_int8_fp8.cuh: INT8_FP8 and split V;
+// mainloop_16bit.cuh: FP16 and INT8_FP16).
+//
+// One CTA computes one 128-row query block of one (batch, head) over the key
+// blocks listed for it (the scheduling stage's work lists). Three warpgroups:
+//   WG0  producer: one thread issues the mainloop's TMA loads of Q (once) and,
+//        per step, of the step's listed K and V blocks into a ring of
+//        shared-memory stages guarded by full/empty mbarriers (Q and stage 0
+//        before the CTA-wide barrier); its second warp does the mainloop's
+//        side work (INT8_FP8: the V scales for the epilogue);
+//   WG1, WG2  consumers, 64 query rows each, steps of the mainloop's
+//        kHalves listed blocks. In its turn a warpgroup issues Q.K^T(u) then
+//        P.V(u-1); it takes the row max of step u while P.V(u-1) runs, then
+//        folds P.V(u-1) (after_pv) alongside the exponentials of step u,
+//        which overwrite the P registers P.V(u-1) read. The other warpgroup
+//        has its turn meanwhile, so one's softmax overlaps the other's matrix
+//        products.
+// The online softmax (softmax.cuh) and the epilogue writer (cta.cuh) are
+// shared; a mainloop supplies its layout, loads, matrix products, fold and
+// output scaling. Host side: launch_sm90.cuh.
+#pragma once
+#include <cuda.h>
+
+#include "cuda/attention/sm90/cta.cuh"
+#include "cuda/attention/sm90/primitives.cuh"
+#include "cuda/common/launch.cuh"
+
+namespace sparge {
+namespace cuda {
+namespace sm90 {
+
+constexpr int kThreads = 384;
+// setmaxnreg budgets: 128*24 + 256*240 <= 64K registers of the SM.
+constexpr uint32_t kProducerRegs = 24;
+constexpr uint32_t kConsumerRegs = 240;
+
+// The consumers' steps 0 .. n_steps-1 of one row (see the file comment).
+template <class ML, class C, class Ring>
+__device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps) {
+  constexpr int kHalves = ML::kHalves;
+  constexpr int kStages = ML::Layout::kStages;
+  const int me = c.cw, other = c.cw ^ 1;
+  if (me == 1) turn_end(0);  // warpgroup 0 goes first
+  uint32_t pa[ML::KS][4];
+  float ap0, ap1, ac0, ac1;  // rescale factors of the previous and the current step
+  int kb[kHalves];
+  float ksc[kHalves];  // int8 Q.K^T: the step's K block scales
+  auto blocks = [&](int u) {
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) kb[hh] = w.block<kHalves>(u, hh);
+    c.load_kscale(kb, ksc);
+  };
+  // Step 0: Q.K^T alone, waited for.
+  blocks(0);
+  mbar_wait(&ring.full[0], 0);
+  {
+    const uint64_t dk = c.desc_k(0);
+    turn_begin(me);
+    c.issue_qk(dk);
+    wgmma_commit();
+    turn_end(other);
+    wgmma_wait<0>();
+    fence_regs(c.s);
+  }
+  {
+    const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
+    c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
+  }
+  for (int u = 1; u < n_steps; ++u) {
+    const int s = u % kStages, sp = (u - 1) % kStages;
+    mbar_wait(&ring.full[s], (u / kStages) & 1);
+    const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+    blocks(u);
+    turn_begin(me);
+    c.issue_qk(dk);
+    wgmma_commit();
+    c.issue_pv(dv, pa);
+    wgmma_commit();
+    turn_end(other);
+    wgmma_wait<1>();  // Q.K^T(u) done
+    fence_regs(c.s);
+    const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
+    if constexpr (ML::kMaxUnderPV) {
+      // The wait sits inside the exponentials' branch arms: ptxas schedules
+      // within a basic block and would otherwise sink the row max below it.
+      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+        wgmma_wait<0>();  // P.V(u-1) done
+        c.fence_pv();
+        fence_regs(pa);
+        mbar_arrive(&ring.empty[sp]);
+        c.after_pv(ap0, ap1, ac0, ac1);
+      });
+    } else {
+      wgmma_wait<0>();  // P.V(u-1) done
+      c.fence_pv();
+      fence_regs(pa);
+      mbar_arrive(&ring.empty[sp]);
+      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] { c.after_pv(ap0, ap1, ac0, ac1); });
+    }
+    ap0 = ac0;
+    ap1 = ac1;
+  }
+  // The last turn: P.V of the last step.
+  const int sp = (n_steps - 1) % kStages;
+  const uint64_t dv = c.desc_v(sp);
+  turn_begin(me);
+  c.issue_pv(dv, pa);
+  wgmma_commit();
+  if (me == 0) turn_end(other);  // balances the initial arrive
+  wgmma_wait<0>();
+  c.fence_pv();
+  mbar_arrive(&ring.empty[sp]);
+  c.after_last_pv(ap0, ap1);
+}
+
+template <class ML>
+__global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  using L = typename ML::Layout;
+  constexpr int kStages = L::kStages, kHalves = ML::kHalves;
+  extern __shared__ uint8_t smem_raw[];
+  const SmemRing<kStages> ring(smem_raw, L::kBar);
+  const RowWork w(p);
+  const int n_steps = w.steps<kHalves>();
+  auto load_stage = [&](int s, const int (&kbh)[kHalves]) {
+    ML::load_stage(maps, p, w, ring.base, &ring.full[s], s, kbh);
+  };
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0)
+    start_ring<kStages, kHalves>(w, p.nKB, n_steps, ring.full, ring.empty, ring.qbar,
+                                 [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); }, load_stage);
+  __syncthreads();
+
+  if (wg == 0) {
+    regs_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
+    } else if (threadIdx.x >= 32 && threadIdx.x < 64) {
+      ML::producer_side(p, w, ring.base, threadIdx.x - 32);
+    }
+    return;
+  }
+
+  regs_alloc<kConsumerRegs>();
+  typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
+  mbar_wait(ring.qbar, 0);
+  if (n_steps > 0) consume<ML>(c, w, ring, n_steps);
+  c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
+#else
+  __trap();  // built for another architecture: the registry must not offer this
+#endif
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace sparge

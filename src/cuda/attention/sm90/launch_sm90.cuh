@@ -1,0 +1,165 @@
+// Host side of the sm_90a kernel skeleton: the registry's supports / setup /
+// run for one mainloop. setup fills the parameter block and encodes every
+// tensor map (nothing is queued, so every reason to refuse is found before the
+// call's first kernel); run launches. Included by the generated instance files
+// only (tools/gen/gen_instances.py).
+#pragma once
+#include <cuda.h>
+
+#include <new>
+#include <type_traits>
+
+#include "cuda/attention/sm90/kernel.cuh"
+#include "cuda/attention/sm90/tensor_map.hpp"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
+#include "cuda/registry/registry.hpp"
+
+namespace sparge {
+namespace cuda {
+namespace sm90 {
+
+struct Sm90Launch {
+  Maps maps;
+  Params p;
+  unsigned grid;
+  int smem;
+};
+static_assert(sizeof(Sm90Launch) <= sizeof(LaunchBlob), "the launch blob holds the sm_90a launch");
+static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is plain data");
+
+// Tile coordinates are 32-bit: rows of the int8 Q and K (and of V^T), key and
+// row indices (key0 + 64 must not overflow).
+template <class ML>
+sparge_status_t supports(const Problem& pb) {
+  const int64_t dk = ML::Dk;
+  bool ok = pb.B * pb.Hq * pb.nQB < (int64_t(1) << 31) && pb.Lq <= 0x3fffffffLL && pb.Lkv <= 0x3fffffffLL;
+  if (ML::kI8C)
+    ok = ok && pb.B * pb.Hq * pb.nQB * kGpuBlockQ < (int64_t(1) << 31) &&
+         pb.B * pb.Hkv * pb.nKB * kGpuBlockK < (int64_t(1) << 31) && pb.B * pb.Hkv * dk < (int64_t(1) << 31);
+  if (ok) return SPARGE_OK;
+  return fail(SPARGE_ERR_UNSUPPORTED,
+              "problem (batch, heads, len_q, len_kv): too large for the sm_90a kernels' 32-bit tile coordinates "
+              "(B*H*L >= 2^31 or L >= 2^30)");
+}
+
+template <class ML>
+sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
+  *applies = true;
+  using L = typename ML::Layout;
+  static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
+  Sm90Launch* s = reinterpret_cast<Sm90Launch*>(blob->bytes);  // plain data in a 64-byte aligned blob
+  *s = Sm90Launch{};
+  const Problem& pb = a.prob;
+  Params& p = s->p;
+  p.idx = a.idx;
+  p.cnt = a.cnt;
+  p.order = a.order;
+  p.out = a.out.data;
+  for (int i = 0; i < 4; ++i) p.out_stride[i] = a.out.stride[i];
+  p.lse = a.lse.data;
+  for (int i = 0; i < 3; ++i) p.lse_stride[i] = a.lse.stride[i];
+  p.Hq = static_cast<int>(pb.Hq);
+  p.group = static_cast<int>(pb.Hq / pb.Hkv);
+  p.Lq = static_cast<int>(pb.Lq);
+  p.Lkv = static_cast<int>(pb.Lkv);
+  p.nQB = static_cast<int>(pb.nQB);
+  p.nKB = static_cast<int>(pb.nKB);
+  p.scale_log2 = pb.scale * kLog2e;
+  p.out_bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
+  p.q_scale = a.q_scale;
+  p.q_mu = a.q_mu;
+  p.k_scale = a.k_scale;
+  p.v_amax = a.v_amax;
+  s->grid = static_cast<unsigned>(pb.B * pb.Hq * pb.nQB);
+  s->smem = L::kAlloc;
+  const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
+  // The FP16 mode reads the caller's tensors by TMA (16-byte rows); the int8
+  // modes write the output in 4-byte pairs where the TMA store does not apply.
+  if (ML::kI8C) {
+    SPARGE_TRY(check_out_pairs(a.out));
+  } else {
+    SPARGE_TRY(check_rows16(a.q, "q", "fp16"));
+    SPARGE_TRY(check_rows16(a.k, "k", "fp16"));
+    SPARGE_TRY(check_rows16(a.v, "v", "fp16"));
+    SPARGE_TRY(check_rows16(a.out, "out", "fp16"));
+  }
+  if (s->grid == 0) return SPARGE_OK;
+  EncodeTiledFn enc = nullptr;
+  SPARGE_TRY(get_encode_fn(&enc));
+  const uint64_t bhq = uint64_t(pb.B * pb.Hq), bhk = uint64_t(pb.B * pb.Hkv);
+  const uint64_t dk = uint64_t(ML::Dk);
+  Maps& m = s->maps;
+  if constexpr (ML::kI8C) {
+    // int8 rows of Dk bytes (the preparation zero-pads a head dim to Dk), in
+    // column blocks of at most 128 bytes with the swizzle of that width.
+    constexpr uint32_t w8 = ML::Dk < 128 ? ML::Dk : 128;
+    const CUtensorMapSwizzle swz = (w8 == 128) ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+    SPARGE_TRY(make_map(enc, &m.q, a.q_i8, dk, bhq * pb.nQB * kGpuBlockQ, w8, kGpuBlockQ, swz, "q"));
+    SPARGE_TRY(make_map(enc, &m.k, a.k_i8, dk, bhk * pb.nKB * kGpuBlockK, w8, kGpuBlockK, swz, "k"));
+  }
+  if constexpr (ML::kFp8PV) {
+    const uint64_t keys = uint64_t(pb.nKB) * kGpuBlockK;
+    SPARGE_TRY(make_map(enc, &m.v, a.v_f8, keys, bhk * dk, kGpuBlockK, ML::Dk, CU_TENSOR_MAP_SWIZZLE_64B, "v"));
+    if (ML::kVTermsC == 2) {
+      SPARGE_TRY(make_map(enc, &m.v2, a.v_f8_lo, keys, bhk * dk, kGpuBlockK, ML::Dk, CU_TENSOR_MAP_SWIZZLE_64B,
+                          "v_lo"));
+    } else {
+      m.v2 = m.v;  // unused
+    }
+  } else {
+    // 16-bit V (and FP16's Q and K) straight from the caller's tensors.
+    m.v2 = m.q;  // unused (overwritten below when q is 16-bit)
+    if (make_map_bhld16(enc, &m.v, a.v.data, bf16, a.v.shape, a.v.stride, kGpuBlockK) != CUDA_SUCCESS) {
+      if (ML::kI8C) return check_tma_rows16(a.v, "v", "INT8_FP16");
+      *applies = false;  // strides TMA cannot express (e.g. rows that overlap)
+      return SPARGE_OK;
+    }
+    if constexpr (!ML::kI8C) {
+      if (make_map_bhld16(enc, &m.q, a.q.data, bf16, a.q.shape, a.q.stride, kGpuBlockQ) != CUDA_SUCCESS ||
+          make_map_bhld16(enc, &m.k, a.k.data, bf16, a.k.shape, a.k.stride, kGpuBlockK) != CUDA_SUCCESS) {
+        *applies = false;
+        return SPARGE_OK;
+      }
+      m.v2 = m.v;
+    }
+  }
+  // The TMA-store epilogue where the mainloop has room and the output's
+  // strides are expressible (else direct stores).
+  m.o = m.v;
+  p.tma_store = 0;
+  if (ML::kTmaStore && tma_store_from_env() &&
+      make_map_bhld16(enc, &m.o, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
+    p.tma_store = 1;
+  SPARGE_CUDA_TRY(cudaFuncSetAttribute(attn_sm90_kernel<ML>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
+  return SPARGE_OK;
+}
+
+template <class ML>
+sparge_status_t run(const LaunchBlob& blob, cudaStream_t stream) {
+  const Sm90Launch& s = *reinterpret_cast<const Sm90Launch*>(blob.bytes);
+  if (s.grid == 0) return SPARGE_OK;
+  SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML>, dim3(s.grid), dim3(kThreads), size_t(s.smem), stream, s.maps, s.p),
+                   "attn_sm90_kernel");
+  return SPARGE_OK;
+}
+
+// The registry entry of mainloop ML.
+template <class ML>
+constexpr KernelEntry entry(sparge_precision_t precision, sparge_dtype_t dtype, const char* name) {
+  return KernelEntry{{Family::kSm90, precision, ML::kHeadDim, dtype, ML::kCausalC},
+                     name,
+                     ML::Dk,
+                     kGpuBlockQ,
+                     ML::kKeys,
+                     ML::Layout::kStages,
+                     kThreads,
+                     ML::Layout::kAlloc,
+                     &supports<ML>,
+                     &setup<ML>,
+                     &run<ML>};
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace sparge

@@ -1,0 +1,30 @@
+// The developer switches (cuda/common/switches.hpp).
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/common/switches.hpp"
+
+namespace sparge {
+namespace cuda {
+
+namespace {
+bool env_is(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, value) == 0;
+}
+}  // namespace
+
+const DevSwitches& dev_switches() {
+  static const DevSwitches s = [] {
+    DevSwitches d;
+    d.pdl = !env_is("SPARGE_PDL", "0");
+    d.tma_store = !env_is("SPARGE_SM90_EPILOGUE", "direct");
+    if (env_is("SPARGE_FP16_KERNEL", "portable")) d.fp16 = Fp16Choice::kPortable;
+    if (env_is("SPARGE_FP16_KERNEL", "sm90")) d.fp16 = Fp16Choice::kSm90Only;
+    return d;
+  }();
+  return s;
+}
+
+}  // namespace cuda
+}  // namespace sparge

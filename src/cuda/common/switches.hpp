@@ -1,0 +1,27 @@
+// Developer switches of the CUDA backend, read from the environment once (the
+// first time any is asked for) and nowhere else. They exist for A/B
+// measurements and for tests that must prove which kernel ran; users need
+// none of them.
+//   SPARGE_PDL=0                  launches without programmatic dependent launch
+//   SPARGE_SM90_EPILOGUE=direct   sm_90a kernels store the output from registers
+//                                 instead of through shared memory and TMA
+//   SPARGE_FP16_KERNEL=portable   FP16-mode plans run the portable mma.sync kernel
+//   SPARGE_FP16_KERNEL=sm90       an FP16 call the sm_90a kernel cannot take is an
+//                                 error instead of a fallback to the portable kernel
+#pragma once
+
+namespace sparge {
+namespace cuda {
+
+enum class Fp16Choice { kAuto, kPortable, kSm90Only };
+
+struct DevSwitches {
+  bool pdl = true;
+  bool tma_store = true;
+  Fp16Choice fp16 = Fp16Choice::kAuto;
+};
+
+const DevSwitches& dev_switches();
+
+}  // namespace cuda
+}  // namespace sparge
