@@ -20,6 +20,8 @@
 #             cuDNN / FLASH_ATTENTION, ceilings, accuracy vs float32 SDPA, side by side)
 #   ncusrc    Nsight Compute full set on the same kernel: pipe utilization, stall reasons,
 #             and a per-SASS-instruction CSV (sass_source.csv)
+#   ab        A/B against another source tree (AB_BASE): builds it into build-ab/, then
+#             tools/bench/ab_compare.py runs both trees' sparge_bench alternately (ab.csv)
 #   ncu       Nsight Compute (--clock-control none) on the int8_fp8 attention kernel
 #             at N=16K D=128 (tensor-pipe utilization, throughput), the same for the
 #             FP16-mode and INT8_FP16 sm_90a kernels, and kernel durations of one
@@ -29,8 +31,10 @@
 #   BUILD_DIR (build-gpu)    GPU_CHECK_BUDGET_S (570: total seconds for all stages)
 #   OUT (where logs go; default ./gpu_check_out)   JOBS (16)
 #   BENCH_ARGS (extra sparge_bench arguments, e.g. --n64k)
-#   NCU_KERNEL_REGEX (regex:attn_int8fp8)  SPARGE_TEST_SEED (reproduce a test run)
-#   GPU_CHECK_PINGPONG (1; 0 skips the pingpong A/B in bench)
+#   NCU_KERNEL_REGEX (regex:MainloopInt8Fp8, matched against demangled names)
+#   SPARGE_TEST_SEED (reproduce a test run)
+#   AB_BASE (a source tree to compare against in the ab stage; AB_ARGS: its sparge_bench
+#   arguments; AB_ROUNDS (3): alternating rounds)
 #   GPU_CHECK_FP16AB (1; 0 skips the portable FP16-mode kernel A/B in bench)
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
@@ -43,7 +47,7 @@ set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # Kernel choice is set per stage below, never inherited.
-unset SPARGE_FP16_KERNEL SPARGE_SM90_SCHEDULE SPARGE_SM90_EPILOGUE
+unset SPARGE_FP16_KERNEL SPARGE_SM90_EPILOGUE SPARGE_PDL
 ROOT=$PWD
 BUILD=${BUILD_DIR:-build-gpu}
 OUTDIR=${OUT:-$ROOT/gpu_check_out}
@@ -235,12 +239,6 @@ if want bench; then
     run_to "$LOG/bench.log" "$(allow 300)" "$BENCH" --csv "$LOG/bench.csv" --tag "$COMMIT" ${BENCH_ARGS:-}
     rc=$?
     ((rc == 0)) && res+=("sparge_bench ok") || res+=("sparge_bench rc=$rc")
-    # A/B: the 64-key pingpong schedule (not the specified rounding) on the dense workloads.
-    if [ "${GPU_CHECK_PINGPONG:-1}" != 0 ]; then
-      run_to "$LOG/bench.log" "$(allow 90)" env SPARGE_SM90_SCHEDULE=pingpong "$BENCH" --modes dense --tag pingpong
-      rc=$?
-      ((rc == 0)) && res+=("pingpong A/B ok") || res+=("pingpong A/B rc=$rc")
-    fi
     # A/B: the portable (mma.sync) FP16-mode kernel against the sm_90a one.
     if [ "${GPU_CHECK_FP16AB:-1}" != 0 ]; then
       run_to "$LOG/bench.log" "$(allow 120)" env SPARGE_FP16_KERNEL=portable "$BENCH" --modes fp16 \
@@ -255,6 +253,30 @@ if want bench; then
     st=ok
     [[ "${res[*]}" == *rc=* ]] && st=FAIL
     note bench $st $(($(date +%s) - s)) "${res[*]}"
+  fi
+fi
+
+# ---------------------------------------------------------------- ab
+if want ab; then
+  banner ab
+  s=$(date +%s)
+  if ((BUILT == 0)) || [ ! -x "$BENCH" ]; then
+    note ab skip 0 "no build"
+  elif [ -z "${AB_BASE:-}" ] || [ ! -f "${AB_BASE}/CMakeLists.txt" ]; then
+    note ab skip 0 "AB_BASE is not a source tree"
+  else
+    ABB=$ROOT/build-ab
+    rc=0
+    run_to "$LOG/ab.log" "$(allow 60)" cmake -S "$AB_BASE" -B "$ABB" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARGE_CUDA=ON \
+      -DSPARGE_BUILD_TESTS=OFF || rc=$?
+    ((rc == 0)) && { run_to "$LOG/ab.log" "$(allow 240)" cmake --build "$ABB" -j "$JOBS" --target sparge_bench || rc=$?; }
+    if ((rc == 0)); then
+      # shellcheck disable=SC2086
+      run_to "$LOG/ab.log" "$(allow 420)" python3 "$ROOT/tools/bench/ab_compare.py" --a "$ABB/tools/bench/sparge_bench" \
+        --b "$BENCH" --rounds "${AB_ROUNDS:-3}" --csv "$LOG/ab.csv" -- ${AB_ARGS:---modes dense,d0.2,i8f16,fp16} || rc=$?
+    fi
+    line=$(grep -E '^[0-9]+ workloads: median change' "$LOG/ab.log" | tail -n 1)
+    ((rc == 0)) && note ab ok $(($(date +%s) - s)) "$line" || note ab FAIL $(($(date +%s) - s)) "rc=$rc"
   fi
 fi
 
@@ -279,9 +301,9 @@ if want ncu; then
         esac
       fi
     done
-    KRE=${NCU_KERNEL_REGEX:-regex:attn_int8fp8}
+    KRE=${NCU_KERNEL_REGEX:-regex:MainloopInt8Fp8}
     rc1=0
-    run_to "$LOG/ncu.log" "$(allow 150)" ncu --clock-control none -k "$KRE" --launch-skip 1 -c 1 \
+    run_to "$LOG/ncu.log" "$(allow 150)" ncu --clock-control none --kernel-name-base demangled -k "$KRE" --launch-skip 1 -c 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats --section MemoryWorkloadAnalysis \
       --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes dense --warmup 1 --min-iters 1 \
@@ -295,7 +317,7 @@ if want ncu; then
     # kernel matched).
     ncu16() {  # bench mode, label; sets NCU16_DUR
       echo "== $2 kernel" | tee -a "$LOG/ncu.log"
-      run_to "$LOG/ncu.log" "$(allow 90)" ncu --clock-control none -k regex:attn_fp16_sm90 --launch-skip 1 -c 1 \
+      run_to "$LOG/ncu.log" "$(allow 90)" ncu --clock-control none --kernel-name-base demangled -k regex:Mainloop16 --launch-skip 1 -c 1 \
         --section SpeedOfLight --metrics "$mets" "$BENCH" --n 16384 --d 128 --causal 0 --modes "$1" --warmup 1 \
         --min-iters 1 --max-iters 1 || rc1=$?
       NCU16_DUR=$(awk -v h="== $2 kernel" '/^== /{f = ($0 == h); if (f) d=""} f && /gpu__time_duration.sum/{
@@ -325,11 +347,11 @@ if want ncusrc; then
   if ((BUILT == 0)) || [ ! -x "$BENCH" ] || ! command -v ncu >/dev/null; then
     note ncusrc skip 0 "no build or no ncu"
   else
-    KRE=${NCU_KERNEL_REGEX:-regex:attn_int8fp8}
+    KRE=${NCU_KERNEL_REGEX:-regex:MainloopInt8Fp8}
     rep="$BUILD/attn_profile"
     rm -f "$rep.ncu-rep"
     rc1=0
-    run_to "$LOG/ncusrc.log" "$(allow 200)" ncu --clock-control none -k "$KRE" --launch-skip 1 -c 1 --set full \
+    run_to "$LOG/ncusrc.log" "$(allow 200)" ncu --clock-control none --kernel-name-base demangled -k "$KRE" --launch-skip 1 -c 1 --set full \
       --import-source no -o "$rep" "$BENCH" --n 16384 --d 128 --causal 0 --modes dense --warmup 1 --min-iters 1 \
       --max-iters 1 || rc1=$?
     if [ -f "$rep.ncu-rep" ]; then

@@ -536,3 +536,28 @@ TEST_CASE("status strings, version, thread-local messages", "[cpu][validation]")
   CHECK(last_error().find("len_kv") != std::string::npos);
   sparge_destroy_plan(nullptr);
 }
+
+TEST_CASE("sparge_plan_kernel_info: what a CPU plan runs, and its argument checks", "[cpu][api]") {
+  sparge_problem_t p = SPARGE_PROBLEM_INIT;
+  p.batch = 1, p.heads_q = 2, p.heads_kv = 1, p.len_q = 100, p.len_kv = 100, p.head_dim = 64;
+  p.precision = SPARGE_PRECISION_INT8_FP16;
+  sparge_plan_t plan = nullptr;
+  REQUIRE(sparge_create_plan(&p, &plan) == SPARGE_OK);
+  sparge_kernel_info_t ki;
+  std::memset(&ki, 0x7f, sizeof ki);
+  ki.struct_size = sizeof ki;
+  REQUIRE(sparge_plan_kernel_info(plan, &ki) == SPARGE_OK);
+  CHECK(std::string(ki.family) == "cpu");
+  CHECK(ki.head_dim == 64);
+  CHECK(ki.block_q == 128);
+  CHECK(ki.keys_per_step == 192);  // the int8 twin steps as the GPU kernel at D = 64
+  CHECK(ki.sm_version == 0);
+  CHECK(ki.threads == 0);
+  ki.struct_size = sizeof ki - 4;
+  CHECK(sparge_plan_kernel_info(plan, &ki) == SPARGE_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(sparge_last_error()).rfind("info->struct_size", 0) == 0);
+  CHECK(sparge_plan_kernel_info(plan, nullptr) == SPARGE_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(sparge_last_error()).rfind("info", 0) == 0);
+  CHECK(sparge_plan_kernel_info(nullptr, &ki) == SPARGE_ERR_INVALID_ARGUMENT);
+  sparge_destroy_plan(plan);
+}

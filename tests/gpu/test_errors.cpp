@@ -5,7 +5,9 @@
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "gpu_util.hpp"
 
@@ -174,9 +176,21 @@ TEST_CASE("CUDA plan: unsupported problems fail at plan creation", "[gpu][errors
   pr.dtype = SPARGE_DTYPE_FLOAT32;
   expect_fail(pr, "float32 inputs on a CUDA plan");
   pr = base();
-  pr.head_dim = 96;
-  const sparge_status_t st_d = expect_fail(pr, "D = 96 on a CUDA plan");
-  CHECK((st_d == SPARGE_ERR_UNSUPPORTED || st_d == SPARGE_ERR_INVALID_ARGUMENT));
+  pr.head_dim = 80;
+  const sparge_status_t st_d = expect_fail(pr, "D = 80 on a CUDA plan");
+  CHECK(st_d == SPARGE_ERR_UNSUPPORTED);
+  CHECK(names_word(sparge_last_error(), "head_dim"));
+  // No INT8_FP8 kernel at D = 256 (its two fp32 output accumulators do not
+  // fit the registers): refused at plan creation, naming head_dim and the mode
+  // that has the same int8 Q.K^T.
+  for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_INT8_FP8_SPLIT_V}) {
+    pr = base();
+    pr.head_dim = 256;
+    pr.precision = prec;
+    CHECK(expect_fail(pr, "INT8_FP8 at D = 256") == SPARGE_ERR_UNSUPPORTED);
+    CHECK(names_word(sparge_last_error(), "head_dim"));
+    CHECK(std::string(sparge_last_error()).find("INT8_FP16") != std::string::npos);
+  }
   pr = base();
   int n = 0;
   SGT_CUDA(cudaGetDeviceCount(&n));
@@ -198,10 +212,19 @@ TEST_CASE("CUDA: outputs whose rows the kernels cannot store are refused, naming
     DeviceBuffer odd(static_cast<size_t>(s.B * s.Hq * s.Lq * pitch) * 2 + 64);
     const int64_t osh[4] = {s.B, s.Hq, s.Lq, s.D}, ost[4] = {s.Hq * s.Lq * pitch, s.Lq * pitch, pitch, 1};
     const sparge_tensor_t o_odd = make_desc(odd.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_BFLOAT16, 4, osh, ost);
+    // Refused before anything is queued: the workspace (where the
+    // preparation would write first) keeps its poison.
+    f.ws.fill(0x5a);
     sparge_status_t st = f.run(f.q, f.k, f.v, &f.m, o_odd, &f.l, f.ws.get(), f.wsb);
     INFO("odd pitch: " << sparge_status_string(st) << " " << sparge_last_error());
     CHECK(st == SPARGE_ERR_UNSUPPORTED);
     CHECK(names_word(sparge_last_error(), "out"));
+    SGT_CUDA(cudaDeviceSynchronize());
+    std::vector<unsigned char> wsh(f.wsb);
+    f.ws.download(wsh.data(), f.wsb);
+    size_t touched = 0;
+    for (unsigned char b : wsh) touched += b != 0x5a;
+    CHECK(touched == 0);
     // A data pointer one element past an aligned one, even pitch.
     const int64_t est[4] = {s.Hq * s.Lq * s.D, s.Lq * s.D, s.D, 1};
     const sparge_tensor_t o_mis = make_desc(static_cast<char*>(odd.get()) + 2, SPARGE_DEVICE_CUDA,
@@ -226,10 +249,86 @@ TEST_CASE("CUDA: INT8_FP16 refuses a V no tensor map can describe, naming v", "[
   const int64_t vsh[4] = {s.B, s.Hkv, s.Lkv, s.D}, vst[4] = {s.Hkv * s.Lkv * pitch, s.Lkv * pitch, pitch, 1};
   const sparge_tensor_t v_odd = make_desc(odd.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_BFLOAT16, 4, vsh, vst);
   f.out.fill(0xFF);
+  f.ws.fill(0x5a);
   const sparge_status_t st = f.run(f.q, f.k, v_odd, &f.m, f.o, &f.l, f.ws.get(), f.wsb);
   INFO(sparge_status_string(st) << " " << sparge_last_error());
   CHECK(st == SPARGE_ERR_UNSUPPORTED);
   CHECK(names_word(sparge_last_error(), "v"));
+  // Refused before the preparation ran: the workspace keeps its poison.
+  SGT_CUDA(cudaDeviceSynchronize());
+  std::vector<unsigned char> wsh(f.wsb);
+  f.ws.download(wsh.data(), f.wsb);
+  size_t touched = 0;
+  for (unsigned char b : wsh) touched += b != 0x5a;
+  CHECK(touched == 0);
   CHECK(f.run_ok() == SPARGE_OK);
   CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+// The plan reports the kernel the registry chose: family, instance and the
+// tile facts of the traits (the online-softmax step is the one the CPU twin
+// follows).
+TEST_CASE("CUDA plan: the chosen kernel is reported", "[gpu][errors][registry][sanitize]") {
+  struct Want {
+    sparge_precision_t prec;
+    int64_t D;
+    int32_t head_dim, keys_per_step;
+    const char* name_part;
+  };
+  const Want wants[] = {
+      {SPARGE_PRECISION_INT8_FP8, 64, 64, 128, "int8_fp8_d64"},
+      {SPARGE_PRECISION_INT8_FP8, 96, 128, 128, "int8_fp8_d96"},
+      {SPARGE_PRECISION_INT8_FP8, 128, 128, 128, "int8_fp8_d128"},
+      {SPARGE_PRECISION_INT8_FP8_SPLIT_V, 128, 128, 128, "int8_fp8_split_v_d128"},
+      {SPARGE_PRECISION_INT8_FP16, 64, 64, 192, "int8_fp16_d64"},
+      {SPARGE_PRECISION_INT8_FP16, 96, 128, 128, "int8_fp16_d96"},
+      {SPARGE_PRECISION_INT8_FP16, 256, 256, 64, "int8_fp16_d256"},
+      {SPARGE_PRECISION_FP16, 128, 128, 128, "fp16_d128"},
+      {SPARGE_PRECISION_FP16, 256, 256, 64, "fp16_d256"},
+  };
+  const char* forced = std::getenv("SPARGE_FP16_KERNEL");
+  const bool portable_fp16 = forced != nullptr && std::string(forced) == "portable";
+  for (const Want& w : wants) {
+    for (int causal : {0, 1}) {
+      INFO(precision_name(w.prec) << " D " << w.D << " causal " << causal);
+      sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+      pr.batch = 1, pr.heads_q = 2, pr.heads_kv = 1, pr.len_q = 300, pr.len_kv = 300, pr.head_dim = w.D;
+      pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = w.prec, pr.causal = causal;
+      sparge_plan_t plan = nullptr;
+      const sparge_status_t st = sparge_create_plan(&pr, &plan);
+      if (portable_fp16 && w.prec == SPARGE_PRECISION_FP16 && w.D == 256) {
+        CHECK(st == SPARGE_ERR_UNSUPPORTED);  // the portable kernel has head dims 64 and 128
+        continue;
+      }
+      REQUIRE(st == SPARGE_OK);
+      sparge_kernel_info_t ki;
+      std::memset(&ki, 0x7f, sizeof ki);
+      ki.struct_size = sizeof ki;
+      REQUIRE(sparge_plan_kernel_info(plan, &ki) == SPARGE_OK);
+      const std::string name(ki.name), family(ki.family);
+      INFO("kernel " << family << " " << name);
+      if (portable_fp16 && w.prec == SPARGE_PRECISION_FP16) {
+        CHECK(family == "portable");
+        CHECK(ki.keys_per_step == 64);
+      } else {
+        CHECK(family == "sm90");
+        CHECK(name.find(w.name_part) != std::string::npos);
+        CHECK((name.find("_causal") != std::string::npos) == (causal != 0));
+        CHECK(name.find("bf16") != std::string::npos);
+        CHECK(ki.head_dim == w.head_dim);
+        CHECK(ki.keys_per_step == w.keys_per_step);
+        CHECK(ki.threads == 384);
+        CHECK(ki.block_q == 128);
+        CHECK(ki.stages >= 2);
+        CHECK(ki.smem_bytes > 0);
+        CHECK(ki.smem_bytes <= 227 * 1024);
+      }
+      CHECK(ki.sm_version >= 80);
+      sparge_kernel_info_t small = ki;
+      small.struct_size = sizeof ki - 1;
+      CHECK(sparge_plan_kernel_info(plan, &small) == SPARGE_ERR_INVALID_ARGUMENT);
+      CHECK(names_word(sparge_last_error(), "info"));
+      sparge_destroy_plan(plan);
+    }
+  }
 }

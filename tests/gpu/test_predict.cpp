@@ -142,7 +142,10 @@ void run_predict_case(const PredCase& c, const std::vector<ParamSet>& sets, bool
 
   for (const ParamSet& ps : sets) {
     for (int pass = 0; pass < (also_fp16_plan ? 2 : 1); ++pass) {
-      const sparge_precision_t prec = pass ? SPARGE_PRECISION_FP16 : SPARGE_PRECISION_INT8_FP8;
+      // The int8 plan: INT8_FP8, or INT8_FP16 at D = 256 (no INT8_FP8 kernel there).
+      const sparge_precision_t prec = pass           ? SPARGE_PRECISION_FP16
+                                      : s.D == 256 ? SPARGE_PRECISION_INT8_FP16
+                                                   : SPARGE_PRECISION_INT8_FP8;
       const std::string label = std::string(c.name) + " " + ps.name + (pass ? " fp16plan" : "");
       INFO(label << " [" << s.str() << "]");
       try {
@@ -223,7 +226,8 @@ void run_predict_attention(const PredCase& c) {
   Stream stream;
   cudaDeviceProp prop;
   SGT_CUDA(cudaGetDeviceProperties(&prop, 0));
-  for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16}) {
+  const sparge_precision_t int8 = c.s.D == 256 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_INT8_FP8;
+  for (sparge_precision_t prec : {int8, SPARGE_PRECISION_FP16}) {
     if (prec == SPARGE_PRECISION_INT8_FP8 && prop.major * 10 + prop.minor < 89) continue;
     const std::string label = std::string(c.name) + " " + precision_name(prec) + " predicted";
     INFO(label << " [" << c.s.str() << "]");
@@ -275,6 +279,8 @@ TEST_CASE("predict: CUDA vs CPU predictor", "[gpu][predict]") {
       {"p-Lq500-Lkv3000", shp(1, 2, 2, 500, 3000, 128, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false},
       {"p-gqa32", shp(1, 32, 1, 512, 512, 64, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true},
       {"p-L4097", shp(1, 2, 2, 4097, 4097, 128, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false},
+      {"p-L1000-d96", shp(1, 4, 2, 1000, 1000, 96, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false},
+      {"p-L1000-d256", shp(1, 2, 2, 1000, 1000, 256, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, true},
   };
   bool first = true;
   for (const PredCase& c : cases) {
@@ -289,4 +295,6 @@ TEST_CASE("predict + attention: the mask predicted inside equals the explicit ma
 
 TEST_CASE("predict + attention, medium shape", "[gpu][predict]") {
   run_predict_attention({"pa-L2000", shp(1, 4, 1, 2000, 2000, 64, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false});
+  run_predict_attention({"pa-L1000-d96", shp(1, 4, 2, 1000, 1000, 96, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false});
+  run_predict_attention({"pa-L700-d256", shp(1, 2, 1, 700, 700, 256, false), Layout::HND, SPARGE_DTYPE_FLOAT16, true});
 }
