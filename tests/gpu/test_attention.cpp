@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include "gpu_util.hpp"
@@ -65,6 +67,11 @@ Bars ref_bars(const AttnCase& c, sparge_precision_t prec) {
 bool quantized(sparge_precision_t p) {
   return p == SPARGE_PRECISION_INT8_FP8 || p == SPARGE_PRECISION_INT8_FP8_SPLIT_V || p == SPARGE_PRECISION_INT8_FP16;
 }
+// SPARGE_FP16_KERNEL=portable: FP16 plans run the portable family.
+bool forced_portable_fp16() {
+  const char* e = std::getenv("SPARGE_FP16_KERNEL");
+  return e != nullptr && std::strcmp(e, "portable") == 0;
+}
 // The modes with fp8 tensor-core products.
 bool needs_fp8(sparge_precision_t p) { return p == SPARGE_PRECISION_INT8_FP8 || p == SPARGE_PRECISION_INT8_FP8_SPLIT_V; }
 const std::vector<sparge_precision_t> kGpuPrecisions = {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_INT8_FP8_SPLIT_V,
@@ -85,6 +92,12 @@ void run_case(const AttnCase& c, const std::vector<double>& densities) {
   for (sparge_precision_t prec : kGpuPrecisions) {
     if (needs_fp8(prec) && c.s.D == 256) {
       // No INT8_FP8 kernel at D = 256: the plan is refused (test_errors.cpp).
+      const AttnResult g = gpu_attention(in, din, prec, nullptr, nullptr, true, stream.get());
+      CHECK(g.status == SPARGE_ERR_UNSUPPORTED);
+      continue;
+    }
+    if (prec == SPARGE_PRECISION_FP16 && forced_portable_fp16() && c.s.D != 64 && c.s.D != 128) {
+      // The portable family has head dims 64 and 128: the plan is refused.
       const AttnResult g = gpu_attention(in, din, prec, nullptr, nullptr, true, stream.get());
       CHECK(g.status == SPARGE_ERR_UNSUPPORTED);
       continue;

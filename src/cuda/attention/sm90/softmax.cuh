@@ -82,8 +82,11 @@ struct OnlineSoftmax {
   // A masked score: the smallest integer (below any int8 product sum) or -inf.
   static constexpr Acc kMasked = kI8 ? Acc(INT32_MIN) : Acc(-INFINITY);
 
-  int quad, row0, row1, wg_row_min, diag, Lkv;
-  float scale_log2;
+  // Lkv and scale * log2(e) are read from the kernel's parameter block (a
+  // constant-bank operand, which keeps the per-step block checks on the
+  // uniform datapath) rather than copied into registers.
+  const Params& p;
+  int quad, row0, row1, wg_row_min, diag;
   float qs0 = 0.f, qs1 = 0.f;  // kI8: q_scale * scale * log2(e) of row0, row1
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
@@ -92,14 +95,13 @@ struct OnlineSoftmax {
   // the new max, which is 0 for a row that has seen no key) of each row, and
   // whether any score of the step is masked (uniform over the warpgroup: it
   // depends on the key blocks and the warpgroup's first row only).
-  __device__ __forceinline__ OnlineSoftmax(const Params& p, int qb, int cw, int tid)
-      : quad(tid & 3),
+  __device__ __forceinline__ OnlineSoftmax(const Params& p_, int qb, int cw, int tid)
+      : p(p_),
+        quad(tid & 3),
         row0(qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
         row1(qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
         wg_row_min(qb * 128 + cw * 64),
-        diag(p.Lkv - p.Lq),
-        Lkv(p.Lkv),
-        scale_log2(p.scale_log2) {}
+        diag(p_.Lkv - p_.Lq) {}
 
   struct StepScale {
     float f0[kHalves], f1[kHalves];
@@ -120,14 +122,14 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) {
       const int key0 = kb[hh] * 64;
-      const bool need_mask = (kb[hh] < 0) || (key0 + 64 > Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
+      const bool need_mask = (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
       st.masked_any |= need_mask;
       if (need_mask) {
 #pragma unroll
         for (int jj = 0; jj < 32; ++jj) {
           const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
           const int row = (jj & 2) ? row1 : row0;
-          bool ok = (kb[hh] >= 0) && key < Lkv;
+          bool ok = (kb[hh] >= 0) && key < p.Lkv;
           if (kCausal) ok = ok && (key <= row + diag);
           if (!ok) s[hh * 32 + jj] = kMasked;
         }
@@ -158,8 +160,8 @@ struct OnlineSoftmax {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      mn0 = fmaxf(m0, mx0 * scale_log2);
-      mn1 = fmaxf(m1, mx1 * scale_log2);
+      mn0 = fmaxf(m0, mx0 * p.scale_log2);
+      mn1 = fmaxf(m1, mx1 * p.scale_log2);
     }
     const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
     const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
@@ -203,7 +205,7 @@ struct OnlineSoftmax {
             const float sj = kI2fp ? __int2float_rn(s[j]) : small_int_to_float(s[j]);
             arg = fmaf(sj, (j & 2) ? st.f1[j / 32] : st.f0[j / 32], (j & 2) ? st.c1 : st.c0);
           } else {
-            arg = fmaf(s[j], scale_log2, (j & 2) ? st.c1 : st.c0);
+            arg = fmaf(s[j], p.scale_log2, (j & 2) ? st.c1 : st.c0);
           }
           // (jj is a constant after unrolling: this selects code, not data.)
           constexpr int kEvery = kPoly > 0 ? kPoly : 1;
