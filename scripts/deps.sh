@@ -39,8 +39,10 @@ CMAKE_MIN=3.22
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n 1)" = "$2" ]; }
 first_cmd() { for c in "$@"; do [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && { echo "$c"; return 0; }; done; return 1; }
 
-need() {  # need required|optional "what" apt-pkg conda-pkg
-  if [ "$1" = required ]; then req+=("$2"); else opt+=("$2"); fi
+need() {  # need required|optional "what" apt-pkg conda-pkg ["another way to install it"]
+  if [ "$1" = required ]; then req+=("$2"); else
+    opt+=("$2 (Debian/Ubuntu: apt-get install -y $3; conda: conda install -c conda-forge $4${5:+; $5})")
+  fi
   [ -n "$3" ] && apt_pkgs+=("$3")
   [ -n "$4" ] && conda_pkgs+=("$4")
   [ "$1" = required ] && { [ -n "$3" ] && apt_req+=("$3"); [ -n "$4" ] && conda_req+=("$4"); }
@@ -82,7 +84,7 @@ check_all() {
     need required "a C++17 compiler" g++ cxx-compiler
   fi
   if command -v ninja >/dev/null 2>&1; then ok+=("ninja $(ninja --version)")
-  elif command -v make >/dev/null 2>&1; then ok+=("make (ninja not found: builds use make)"); need optional "ninja (faster builds; make is used without it)" ninja-build ninja
+  elif command -v make >/dev/null 2>&1; then ok+=("make (ninja not found: builds use make)"); need optional "ninja: faster builds (make is used without it)" ninja-build ninja
   else need required "a build tool: ninja or make" ninja-build ninja; fi
   [ "$MODE" = test ] || return 0
 
@@ -110,15 +112,15 @@ check_all() {
     if [ ${#mods[@]} -eq 0 ]; then ok+=("numpy + pytest for $("$PY" -c 'import sys; print(sys.executable)')")
     else
       for m in "${mods[@]}"; do
-        need optional "$m for $PY (the Python tests are SKIPPED without it)" "python3-$m" "$m"
+        need optional "$m for $PY: the Python tests are SKIPPED without it" "python3-$m" "$m" "pip: $PY -m pip install $m"
         pip_pkgs+=("$m")
       done
     fi
   else
-    need optional "$PY (the Python tests are SKIPPED without it)" "python3 python3-numpy python3-pytest" "python numpy pytest"
+    need optional "$PY: the Python tests are SKIPPED without it" "python3 python3-numpy python3-pytest" "python numpy pytest"
   fi
   if command -v cargo >/dev/null 2>&1; then ok+=("cargo"); else
-    opt+=("cargo (the Rust tests are SKIPPED without it; Debian/Ubuntu: apt-get install cargo, or rustup)")
+    opt+=("cargo: the Rust tests are SKIPPED without it (Debian/Ubuntu: apt-get install -y cargo; conda: conda install -c conda-forge rust; or rustup)")
   fi
   return 0
 }
@@ -126,7 +128,7 @@ check_all() {
 report() {
   local c=""
   command -v nvcc >/dev/null 2>&1 && c="nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'): CUDA backend"
-  echo "deps ($MODE): present: $(IFS=,; echo "${ok[*]}" | sed 's/,/, /g')"
+  if [ ${#ok[@]} -gt 0 ]; then echo "deps ($MODE): present: $(IFS=,; echo "${ok[*]}" | sed 's/,/, /g')"; fi
   echo "deps ($MODE): ${c:-no nvcc on PATH: a CPU-only build (CUDA backend: install the CUDA toolkit >= 12.4, developed with 13.0)}"
   local m
   for m in "${opt[@]}"; do echo "deps ($MODE): optional, missing: $m"; done

@@ -27,7 +27,7 @@ using Catch::Approx;
 #ifdef SPARGE_CATCH2_SESSION
 #define CATCH_CONFIG_RUNNER
 #endif
-#include "catch_compat.hpp"
+#include <catch2/catch.hpp>
 #else
 #error "SPARGE_CATCH2_MAJOR must be 2 or 3"
 #endif
