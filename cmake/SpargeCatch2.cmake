@@ -4,7 +4,7 @@
 #   1. SPARGE_CATCH2_INCLUDE_DIR (cache, or the environment variable of that name): a
 #      directory holding the Catch2 v2 single header catch2/catch.hpp;
 #   2. a Catch2 CMake package, find_package(Catch2 CONFIG): the distribution's
-#      (Debian 12: 2.13; Ubuntu 24.04, Debian 13, Fedora, conda-forge: 3.x), or one
+#      (Debian 12: 2.13; Ubuntu 24.04, Debian 13, conda-forge: 3.x), or one
 #      that CMAKE_PREFIX_PATH, Catch2_ROOT or Catch2_DIR points at;
 #   3. a catch2/catch.hpp v2 single header on the compiler's standard include path.
 # On success it sets <found_var> TRUE and creates the INTERFACE target
