@@ -18,6 +18,19 @@ if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH="$PATH:$HOME/.cargo/bin"
 fi
 
+# sparge_step NAME CMD...: runs CMD; when it fails, says which step of which
+# script failed and exits with its status.
+SPARGE_SCRIPT="$(basename "$0")"
+sparge_step() {
+  local name=$1 rc=0
+  shift
+  "$@" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "$SPARGE_SCRIPT: step '$name' failed (exit $rc)" >&2
+    exit "$rc"
+  fi
+}
+
 sparge_configure() {
   local gen=()
   if command -v ninja >/dev/null 2>&1; then gen=(-G Ninja); fi

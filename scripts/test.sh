@@ -3,8 +3,12 @@
 # header check, the export check, the sparge tool smoke test, and the GPU tests,
 # which report SKIPPED without a GPU), pytest (tests/python, with SPARGE_LIBRARY
 # pointing at the built library) and cargo test (bindings/rust, when cargo is
-# installed). Runs all suites, then exits non-zero if any failed.
+# installed). First checks the dependencies (scripts/deps.sh test: Catch2 v2 or
+# v3 as CMake finds it, ...; installs what is missing where it can, and says what
+# is missing and how to install it where it cannot). Runs all suites, then exits
+# non-zero if any failed; a failed dependency, configure or build step stops it.
 #   BUILD_DIR=build SPARGE_CUDA=AUTO|ON|OFF JOBS=N scripts/test.sh
+#   SPARGE_SKIP_DEPS=1 skips the dependency step; SPARGE_NO_INSTALL=1 checks only.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -21,13 +25,21 @@ record() {  # name status(0 ok / 1 failed / 2 skipped) note
 section() { printf '\n==== %s\n' "$*"; }
 t_start=$(date +%s)
 
-section "configure + build ($BUILD_DIR, $BUILD_TYPE, SPARGE_CUDA=$SPARGE_CUDA, -j$JOBS)"
-command -v nvcc >/dev/null 2>&1 && echo "nvcc: $(command -v nvcc) ($(nvcc --version | tail -n 2 | head -n 1))"
-if ! sparge_configure -DSPARGE_BUILD_TESTS=ON || ! cmake --build "$BUILD_DIR" -j "$JOBS"; then
-  echo "build failed" >&2
+stop() {  # a step that the suites need failed
+  echo "test.sh: step '$1' failed; no suite was run" >&2
   echo "suites: 0 passed, 1 failed"
   exit 1
+}
+
+if [ "${SPARGE_SKIP_DEPS:-0}" != "1" ]; then
+  section "dependencies"
+  bash "$ROOT/scripts/deps.sh" test || stop dependencies
 fi
+
+section "configure + build ($BUILD_DIR, $BUILD_TYPE, SPARGE_CUDA=$SPARGE_CUDA, -j$JOBS)"
+command -v nvcc >/dev/null 2>&1 && echo "nvcc: $(command -v nvcc) ($(nvcc --version | tail -n 2 | head -n 1))"
+sparge_configure -DSPARGE_BUILD_TESTS=ON || stop configure
+cmake --build "$BUILD_DIR" -j "$JOBS" || stop build
 echo "build: $(($(date +%s) - t_start)) s"
 LIB="$BUILD_DIR/libsparge.so"
 

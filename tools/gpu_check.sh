@@ -10,7 +10,7 @@
 # Stages
 #   info      nvidia-smi, GPU clocks, commit, toolchain versions
 #   build     cmake (Release, Ninja, -DSPARGE_CUDA=ON) + build everything with -j16;
-#             Catch2 comes from .deps/catch2/catch.hpp when no Catch2 package exists
+#             Catch2: the machine's (v2 or v3), else the v2 header .deps/catch2/catch.hpp
 #   test      ctest (everything but gpu_tests), then the GPU test binary directly,
 #             with its measured-accuracy table; the host-pointer tests in a
 #             process of their own
@@ -120,15 +120,23 @@ fi
 if want build; then
   banner build
   s=$(date +%s)
-  CATCH_ARGS=()
-  if [ -f "$ROOT/.deps/catch2/catch.hpp" ]; then
+  # The machine's Catch2 (v2 or v3, as CMake finds it), else the carried v2 header.
+  CATCH_ARGS=(-DSPARGE_CATCH2_INCLUDE_DIR=)
+  probe_dir=$(mktemp -d)
+  catch2=$(cmake -S "$ROOT/cmake/catch2-probe" -B "$probe_dir" 2>&1 | sed -n 's/^-- sparge-catch2: //p')
+  rm -rf "$probe_dir"
+  echo "catch2: $catch2" | tee -a "$LOG/build.log"
+  if [[ $catch2 == found* ]]; then
+    :
+  elif [ -f "$ROOT/.deps/catch2/catch.hpp" ]; then
     CATCH_ARGS=(-DSPARGE_CATCH2_INCLUDE_DIR="$ROOT/.deps")
-  elif [ ! -f /usr/include/catch2/catch.hpp ]; then
-    echo "warning: no .deps/catch2/catch.hpp (carry .deps) and no system Catch2: configure will fail" | tee -a "$LOG/build.log"
+    echo "catch2: using the carried v2 header .deps/catch2/catch.hpp" | tee -a "$LOG/build.log"
+  else
+    echo "warning: no Catch2 that CMake accepts and no .deps/catch2/catch.hpp: configure will fail" | tee -a "$LOG/build.log"
   fi
   rc=0
   run_to "$LOG/build.log" "$(allow 120)" cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DSPARGE_CUDA=ON "${CATCH_ARGS[@]}" || rc=$?
+    -DSPARGE_CUDA=ON -DSPARGE_BUILD_TESTS=ON "${CATCH_ARGS[@]}" || rc=$?
   if ((rc == 0)); then
     run_to "$LOG/build.log" "$(allow 480)" cmake --build "$BUILD" -j "$JOBS" || rc=$?
   fi

@@ -1,6 +1,6 @@
 #include "test_util.hpp"
 
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <atomic>
 #include <chrono>

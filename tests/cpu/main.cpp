@@ -1,3 +1,5 @@
-// The one translation unit that provides Catch2's main().
-#define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+// Entry point of the CPU test suite (the same main() with Catch2 v2 and v3).
+#define SPARGE_CATCH2_SESSION
+#include "catch_compat.hpp"
+
+int main(int argc, char** argv) { return Catch::Session().run(argc, argv); }

@@ -1,6 +1,6 @@
 // CPU attention against the float64 dense reference: masks, causality, GQA,
 // layouts, odd lengths, empty rows, LSE, and the three precision modes.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <cmath>
 #include <cstring>

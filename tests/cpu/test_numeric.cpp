@@ -1,6 +1,6 @@
 // Number formats of the CPU backend: fp8 e4m3 (satfinite, round-to-nearest-even)
 // against a table of known codes, fp16/bf16 against independent conversions.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <cmath>
 #include <limits>

@@ -1,7 +1,7 @@
 // Mask prediction properties: top-k counts, CDF minimality (brute force),
 // forced non-compressible blocks, attention sink, causality, per-head values,
 // block sizes, kept counts and visible-block counts.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // The INT8_FP8 quantization twin: hand-checked rounding cases, and a
 // bit-for-bit comparison with a second, test-side transcription of the steps
 // in docs/SEMANTICS.md.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <cmath>
 #include <cstring>

@@ -1,6 +1,6 @@
 // Every rejected input: the status, a message naming the argument, and
 // outputs left untouched (they are NaN-poisoned before the call).
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <cmath>
 #include <cstring>

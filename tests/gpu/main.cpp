@@ -4,8 +4,8 @@
 // Environment:
 //   SPARGE_TEST_SEED=<n>      reproduce a run (the base seed is printed first)
 //   SPARGE_GPU_TEST_CSV=<f>   also write the measured accuracy table as CSV
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
+#define SPARGE_CATCH2_SESSION
+#include "catch_compat.hpp"
 
 #include <cstdio>
 

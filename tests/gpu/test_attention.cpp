@@ -2,7 +2,7 @@
 // long sequences) and vs the CPU backend: the quantization twin for the int8
 // modes (int8_fp8, int8_fp8_split_v, int8_fp16), EXACT (float64) for fp16 mode. Random block masks at densities
 // 1, 0.5, 0.1 and 0; causal with Lq = Lkv and Lq != Lkv; GQA; NHD/HND.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <chrono>
 #include <cmath>

@@ -2,7 +2,7 @@
 // required, descriptors that claim the wrong device, workspaces that are too
 // small, and problems the CUDA backend does not support. Each must fail with a
 // status and a message naming the argument, and leave the library usable.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <cstdlib>
 #include <cstring>

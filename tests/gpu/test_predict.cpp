@@ -3,7 +3,7 @@
 // probability or self-similarity within rounding of the boundary), judged on a
 // float64 recomputation of the pooled scores. Also: attention with the mask
 // predicted inside equals attention on the explicitly predicted mask.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <algorithm>
 #include <cmath>
