@@ -83,6 +83,39 @@ pub struct sparge_problem_t {
     pub block_k: i32,
 }
 
+/// `sparge_kernel_info_t`: the attention kernel a plan chose.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct sparge_kernel_info_t {
+    pub struct_size: usize,
+    pub family: [core::ffi::c_char; 16],
+    pub name: [core::ffi::c_char; 64],
+    pub sm_version: i32,
+    pub head_dim: i32,
+    pub block_q: i32,
+    pub keys_per_step: i32,
+    pub stages: i32,
+    pub threads: i32,
+    pub smem_bytes: i32,
+}
+
+impl Default for sparge_kernel_info_t {
+    fn default() -> Self {
+        sparge_kernel_info_t {
+            struct_size: core::mem::size_of::<sparge_kernel_info_t>(),
+            family: [0; 16],
+            name: [0; 64],
+            sm_version: 0,
+            head_dim: 0,
+            block_q: 0,
+            keys_per_step: 0,
+            stages: 0,
+            threads: 0,
+            smem_bytes: 0,
+        }
+    }
+}
+
 impl Default for sparge_problem_t {
     /// The same values as `SPARGE_PROBLEM_INIT`.
     fn default() -> Self {
@@ -155,6 +188,7 @@ extern "C" {
     pub fn sparge_plan_workspace_size(plan: sparge_plan_t, bytes: *mut usize) -> sparge_status_t;
     pub fn sparge_plan_get_problem(plan: sparge_plan_t, problem: *mut sparge_problem_t) -> sparge_status_t;
     pub fn sparge_plan_visible_blocks(plan: sparge_plan_t, visible_per_head: *mut i64) -> sparge_status_t;
+    pub fn sparge_plan_kernel_info(plan: sparge_plan_t, info: *mut sparge_kernel_info_t) -> sparge_status_t;
     pub fn sparge_predict_mask(
         plan: sparge_plan_t,
         q: *const sparge_tensor_t,

@@ -554,6 +554,21 @@ impl fmt::Debug for Plan {
     }
 }
 
+/// What a plan runs (`sparge_kernel_info_t`): family ("sm90", "portable", "cpu"),
+/// instance name and tile facts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelInfo {
+    pub family: String,
+    pub name: String,
+    pub sm_version: i32,
+    pub head_dim: i32,
+    pub block_q: i32,
+    pub keys_per_step: i32,
+    pub stages: i32,
+    pub threads: i32,
+    pub smem_bytes: i32,
+}
+
 impl Plan {
     /// Validates `problem` and computes the workspace layout (CUDA plans also
     /// check the device here).
@@ -594,6 +609,27 @@ impl Plan {
         let mut n = 0i64;
         check(unsafe { sys::sparge_plan_visible_blocks(self.raw.as_ptr(), &mut n) })?;
         Ok(n)
+    }
+
+    /// The attention kernel the plan chose. See `sparge_plan_kernel_info`.
+    pub fn kernel_info(&self) -> Result<KernelInfo> {
+        let mut raw = sys::sparge_kernel_info_t::default();
+        check(unsafe { sys::sparge_plan_kernel_info(self.raw.as_ptr(), &mut raw) })?;
+        let text = |b: &[core::ffi::c_char]| -> String {
+            let bytes: Vec<u8> = b.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        };
+        Ok(KernelInfo {
+            family: text(&raw.family),
+            name: text(&raw.name),
+            sm_version: raw.sm_version,
+            head_dim: raw.head_dim,
+            block_q: raw.block_q,
+            keys_per_step: raw.keys_per_step,
+            stages: raw.stages,
+            threads: raw.threads,
+            smem_bytes: raw.smem_bytes,
+        })
     }
 
     /// Mask shape `[B, Hq, nQB, nKB]`.

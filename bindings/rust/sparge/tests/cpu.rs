@@ -100,6 +100,9 @@ fn plan_resolves_defaults_and_sizes_its_workspace() {
     // 0..127) sees keys 0..27 (1 block), block 1 sees up to key 155 (3 blocks),
     // block 2 (rows 256..299) up to key 199 (4 blocks).
     assert_eq!(plan.visible_blocks().expect("visible"), 1 + 3 + 4);
+    let k = plan.kernel_info().expect("kernel info");
+    assert_eq!(k.family, "cpu");
+    assert_eq!((k.head_dim, k.block_q, k.keys_per_step), (32, 128, 64));
 }
 
 #[test]
