@@ -124,8 +124,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_con
   const SmemRing<kStages> ring(smem_raw, L::kBar);
   const RowWork w(p);
   const int n_steps = w.steps<kHalves>();
+  // Stage s <- the step's listed blocks. A missing block (an odd count at
+  // the end of a row) loads the first again: finite data whose scores are
+  // masked, so every stage completes the same byte count.
   auto load_stage = [&](int s, const int (&kbh)[kHalves]) {
-    ML::load_stage(maps, p, w, ring.base, &ring.full[s], s, kbh);
+    mbar_arrive_expect_tx(&ring.full[s], L::kKStage + L::kVStage);
+    uint8_t* sk = ring.base + L::kK + s * L::kKStage;
+    uint8_t* sv = ring.base + L::kV + s * L::kVStage;
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh)
+      ML::load_block(maps, p, w, sk, sv, &ring.full[s], hh, kbh[hh] >= 0 ? kbh[hh] : kbh[0]);
   };
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0)

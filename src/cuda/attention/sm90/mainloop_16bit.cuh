@@ -71,12 +71,13 @@ struct Mainloop16 {
     static constexpr int kQBytes = kI8 ? 128 * Dk : kCols * kQCol;
     static constexpr int kKBytes = kI8 ? kKeys * Dk : kCols * kKVCol;  // K of one stage
     static constexpr int kVBytes = kCols * kKVCol;                    // V of one stage
+    static constexpr int kKStage = kKBytes, kVStage = kVBytes;
     static constexpr int kQ = 0;
     static constexpr int kK = kQ + kQBytes;
-    static constexpr int kV = kK + kStages * kKBytes;
-    static constexpr int kOut = (kV + kStages * kVBytes + 1023) / 1024 * 1024;
+    static constexpr int kV = kK + kStages * kKStage;
+    static constexpr int kOut = (kV + kStages * kVStage + 1023) / 1024 * 1024;
     static constexpr int kOutBytes = kI8 ? 2 * 64 * Dk * 2 : 0;
-    static constexpr int kBar = kI8 ? kOut + kOutBytes : kV + kStages * kVBytes;
+    static constexpr int kBar = kI8 ? kOut + kOutBytes : kV + kStages * kVStage;
     static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
     static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
   };
@@ -97,34 +98,28 @@ struct Mainloop16 {
         tma_load_4d(sq + cb * Layout::kQCol, &m.q, bar, cb * 64, w.qb * 128, w.h, w.b);
     }
   }
-  // Stage st <- the K and V rows of the step's blocks (a missing block loads
-  // the first again: finite data, masked scores, same byte count). INT8_FP16:
-  // K block kb is rows (bhkv * nKB + kb) * 64.. of the workspace's int8 K.
-  __device__ __forceinline__ static void load_stage(const Maps& m, const Params& p, const RowWork& w, uint8_t* base,
-                                                    uint64_t* full, int st, const int (&kbh)[kHalves]) {
-    mbar_arrive_expect_tx(full, Layout::kKBytes + Layout::kVBytes);
-    uint8_t* sk = base + Layout::kK + st * Layout::kKBytes;
-    uint8_t* sv = base + Layout::kV + st * Layout::kVBytes;
+  // Listed block kb into slot hh of a stage (sk, sv): its K rows (INT8_FP16:
+  // rows (bhkv * nKB + kb) * 64.. of the workspace's int8 K) and V rows.
+  __device__ __forceinline__ static void load_block(const Maps& m, const Params& p, const RowWork& w, uint8_t* sk,
+                                                    uint8_t* sv, uint64_t* full, int hh, int kb) {
+    if constexpr (kI8) {
 #pragma unroll
-    for (int hh = 0; hh < kHalves; ++hh) {
-      const int kb = kbh[hh] >= 0 ? kbh[hh] : kbh[0];
-      if constexpr (kI8) {
+      for (int cb = 0; cb < Layout::kCols8; ++cb)
+        tma_load_2d(sk + cb * Layout::kKCol8 + hh * 64 * Layout::kW8, &m.k, full, cb * Layout::kW8,
+                    (w.bhkv * p.nKB + kb) * 64);
+    }
 #pragma unroll
-        for (int cb = 0; cb < Layout::kCols8; ++cb)
-          tma_load_2d(sk + cb * Layout::kKCol8 + hh * 64 * Layout::kW8, &m.k, full, cb * Layout::kW8,
-                      (w.bhkv * p.nKB + kb) * 64);
-      }
-#pragma unroll
-      for (int cb = 0; cb < Layout::kCols; ++cb) {
-        const int off = cb * Layout::kKVCol + hh * Layout::kBlockRows;
-        if constexpr (!kI8) tma_load_4d(sk + off, &m.k, full, cb * 64, kb * 64, w.hkv, w.b);
-        tma_load_4d(sv + off, &m.v, full, cb * 64, kb * 64, w.hkv, w.b);
-      }
+    for (int cb = 0; cb < Layout::kCols; ++cb) {
+      const int off = cb * Layout::kKVCol + hh * Layout::kBlockRows;
+      if constexpr (!kI8) tma_load_4d(sk + off, &m.k, full, cb * 64, kb * 64, w.hkv, w.b);
+      tma_load_4d(sv + off, &m.v, full, cb * 64, kb * 64, w.hkv, w.b);
     }
   }
   __device__ __forceinline__ static void producer_side(const Params&, const RowWork&, uint8_t*, int) {}
 
-  struct Consumer {
+  struct Consumer : ConsumerBase<SM, kI8> {
+    using Base = ConsumerBase<SM, kI8>;
+    using Base::p, Base::cw, Base::b, Base::h, Base::sm;
     using Mma = Wgmma16<T>;
     using Acc = typename SM::Acc;
     static constexpr int NO = Dk / 2;  // O accumulator registers per thread
@@ -134,34 +129,17 @@ struct Mainloop16 {
     static constexpr uint32_t kSwzQK = (kI8 && Layout::kW8 == 64) ? kSwizzle64B : kSwizzle128B;
     static constexpr uint32_t kSboQK = kI8 ? 8 * Layout::kW8 : 1024;
 
-    const Params& p;
-    const int cw, b, h, bhkv;
-    const int64_t qrow;  // index of row0 in the per-token arrays (q_scale, q_mu)
     uint8_t* sq;
     const uint8_t* sk;
     const uint8_t* sv;
     uint64_t desc_q;
-    SM sm;
     Acc s[SM::NS];
     float o[NO];
 
     __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base)
-        : p(p_),
-          cw(cw_),
-          b(w.b),
-          h(w.h),
-          bhkv(w.bhkv),
-          qrow(int64_t(w.bh) * p_.nQB * 128 + w.qb * 128 + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
-          sq(base + Layout::kQ),
-          sk(base + Layout::kK),
-          sv(base + Layout::kV),
-          sm(p_, w.qb, cw_, tid) {
+        : Base(p_, cw_, tid, w), sq(base + Layout::kQ), sk(base + Layout::kK), sv(base + Layout::kV) {
       // This warpgroup's 64 rows of Q (first column block).
       desc_q = make_smem_desc(sq + cw * 64 * (kI8 ? Layout::kW8 : 128), kSwzQK, kSboQK);
-      if constexpr (kI8) {
-        sm.qs0 = p.q_scale[qrow] * p.scale_log2;
-        sm.qs1 = p.q_scale[qrow + 8] * p.scale_log2;
-      }
 #pragma unroll
       for (int j = 0; j < NO; ++j) o[j] = 0.f;
     }
@@ -199,15 +177,6 @@ struct Mainloop16 {
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) Mma::template rs_tb_m64nNk16<Dk>(o, pa[ks], dv + uint64_t((ks * 2048) >> 4), 1);
     }
-    // INT8_FP16: the step's K block scales (their latency under the stage
-    // wait's tail). Nothing for the FP16 mode.
-    __device__ __forceinline__ void load_kscale(const int (&kb)[kHalves], float (&ksc)[kHalves]) const {
-      if constexpr (kI8) {
-#pragma unroll
-        for (int hh = 0; hh < kHalves; ++hh)
-          ksc[hh] = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
-      }
-    }
     __device__ __forceinline__ void fence_pv() { fence_regs(o); }
     // After P.V(u-1), before P.V(u) is issued: O *= alpha(u), skipped when no
     // row of the warp changed its max (alpha is then exactly 1): after the
@@ -229,10 +198,8 @@ struct Mainloop16 {
       };
       uint8_t* stage = kI8 ? base + Layout::kOut + cw * (Dk / 64) * 8192 : sq + cw * 64 * 128;
       const int stride = kI8 ? 8192 : Layout::kQCol;
-      write_output<Dk, D>(p, sm, b, h, cw, tid, p.tma_store != 0, stage, stride, &m.o, pair, [&](int half) {
-        if constexpr (kI8) return p.q_mu[qrow + 8 * half];
-        return 0.f;
-      });
+      write_output<Dk, D>(p, sm, b, h, cw, tid, p.tma_store != 0, stage, stride, &m.o, pair,
+                          [&](int half) { return this->lse_shift(half); });
     }
   };
 };

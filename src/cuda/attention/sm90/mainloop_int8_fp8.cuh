@@ -54,10 +54,11 @@ struct MainloopInt8Fp8 {
     static constexpr int kVTile = Dk * 64;
     static constexpr int kKBytes = kKeys * Dk;
     static constexpr int kVBytes = Dk * kKeys;  // one term
+    static constexpr int kKStage = kKBytes;
     static constexpr int kVStage = kVTerms * kVBytes;
     static constexpr int kQ = 0;
     static constexpr int kK = kQ + kQBytes;
-    static constexpr int kV = kK + kStages * kKBytes;
+    static constexpr int kV = kK + kStages * kKStage;
     // The output staging of the TMA-store epilogue where the shared memory
     // has room (all but split V at Dk = 128, which keeps direct stores).
     static constexpr int kOut = (kV + kStages * kVStage + 1023) / 1024 * 1024;
@@ -78,21 +79,13 @@ struct MainloopInt8Fp8 {
     mbar_arrive_expect_tx(bar, Layout::kQBytes);
     tma_load_2d(base + Layout::kQ, &m.q, bar, 0, w.row_id * 128);
   }
-  // Stage s <- K tiles and V^T tiles (hi, and lo for split V) of the step's
-  // blocks. A missing block loads the first again (finite data; its scores
-  // are masked), so every stage completes the same byte count.
-  __device__ __forceinline__ static void load_stage(const Maps& m, const Params& p, const RowWork& w, uint8_t* base,
-                                                    uint64_t* full, int s, const int (&kbh)[kHalves]) {
-    mbar_arrive_expect_tx(full, Layout::kKBytes + Layout::kVStage);
-    uint8_t* sk = base + Layout::kK + s * Layout::kKBytes;
-    uint8_t* sv = base + Layout::kV + s * Layout::kVStage;
-#pragma unroll
-    for (int hh = 0; hh < kHalves; ++hh) {
-      const int kb = kbh[hh] >= 0 ? kbh[hh] : kbh[0];
-      tma_load_2d(sk + hh * Layout::kKTile, &m.k, full, 0, (w.bhkv * p.nKB + kb) * 64);
-      tma_load_2d(sv + hh * Layout::kVTile, &m.v, full, kb * 64, w.bhkv * Dk);
-      if (kVTerms == 2) tma_load_2d(sv + Layout::kVBytes + hh * Layout::kVTile, &m.v2, full, kb * 64, w.bhkv * Dk);
-    }
+  // Listed block kb into slot hh of a stage (sk, sv): its K tile and V^T
+  // tile (and the lo term's for split V).
+  __device__ __forceinline__ static void load_block(const Maps& m, const Params& p, const RowWork& w, uint8_t* sk,
+                                                    uint8_t* sv, uint64_t* full, int hh, int kb) {
+    tma_load_2d(sk + hh * Layout::kKTile, &m.k, full, 0, (w.bhkv * p.nKB + kb) * 64);
+    tma_load_2d(sv + hh * Layout::kVTile, &m.v, full, kb * 64, w.bhkv * Dk);
+    if (kVTerms == 2) tma_load_2d(sv + Layout::kVBytes + hh * Layout::kVTile, &m.v2, full, kb * 64, w.bhkv * Dk);
   }
   // The producer's second warp: the epilogue's V scales into shared memory
   // (their latency off the tail of the CTA).
@@ -104,36 +97,24 @@ struct MainloopInt8Fp8 {
     named_bar_arrive(kVScaleBar, 256 + 32);
   }
 
-  struct Consumer {
+  struct Consumer : ConsumerBase<SM, true> {
+    using Base = ConsumerBase<SM, true>;
+    using Base::p, Base::cw, Base::b, Base::h, Base::sm;
     static constexpr int NO = Dk / 2;  // O accumulator registers per thread
     static constexpr uint32_t kSwz = (Dk == 128) ? kSwizzle128B : kSwizzle64B;
     static constexpr uint32_t kSboQK = 8 * Dk;  // 8 rows of Dk int8 bytes
     static constexpr uint32_t kSboV = 8 * 64;   // 8 channels of 64 fp8 bytes
 
-    const Params& p;
-    const int cw, b, h, bhkv;
-    const int64_t qrow;  // index of row0 in the per-token arrays (q_scale, q_mu)
     const uint8_t* sk;
     const uint8_t* sv;
     uint64_t desc_q;
-    SM sm;
     int32_t s[SM::NS];
     float o[NO];
     float o_tile[NO];
 
     __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base)
-        : p(p_),
-          cw(cw_),
-          b(w.b),
-          h(w.h),
-          bhkv(w.bhkv),
-          qrow(int64_t(w.bh) * p_.nQB * 128 + w.qb * 128 + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
-          sk(base + Layout::kK),
-          sv(base + Layout::kV),
-          sm(p_, w.qb, cw_, tid) {
+        : Base(p_, cw_, tid, w), sk(base + Layout::kK), sv(base + Layout::kV) {
       desc_q = make_smem_desc(base + Layout::kQ + cw * 64 * Dk, kSwz, kSboQK);
-      sm.qs0 = p.q_scale[qrow] * p.scale_log2;
-      sm.qs1 = p.q_scale[qrow + 8] * p.scale_log2;
 #pragma unroll
       for (int j = 0; j < NO; ++j) o[j] = 0.f;
 #pragma unroll
@@ -168,13 +149,6 @@ struct MainloopInt8Fp8 {
         }
       }
     }
-    // The step's K block scales, loaded before its waits (their latency off
-    // the softmax's critical path).
-    __device__ __forceinline__ void load_kscale(const int (&kb)[kHalves], float (&ksc)[kHalves]) const {
-#pragma unroll
-      for (int hh = 0; hh < kHalves; ++hh)
-        ksc[hh] = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
-    }
     __device__ __forceinline__ void fence_pv() { fence_regs(o_tile); }
     // After P.V(u-1): O = O * alpha(u-1) + O_tile.
     __device__ __forceinline__ void after_pv(float ap0, float ap1, float, float) { accumulate(ap0, ap1); }
@@ -201,7 +175,7 @@ struct MainloopInt8Fp8 {
       };
       const bool tma = Layout::kOutBytes > 0 && p.tma_store;  // the host sets tma_store only where there is room
       write_output<Dk, D>(p, sm, b, h, cw, tid, tma, base + Layout::kOut + cw * (Dk / 64) * 8192, 8192, &m.o, pair,
-                          [&](int half) { return p.q_mu[qrow + 8 * half]; });
+                          [&](int half) { return this->lse_shift(half); });
     }
   };
 };

@@ -248,6 +248,47 @@ struct OnlineSoftmax {
   }
 };
 
+// What every mainloop's consumer holds: the CTA row's coordinates, the index
+// of its first row in the per-token arrays, and the online softmax; with
+// int8 Q.K^T (kI8) the per-row Q scales, the per-block K scales of a step and
+// the LSE's smoothing shift.
+template <class SM, bool kI8>
+struct ConsumerBase {
+  const Params& p;
+  const int cw, b, h, bhkv;
+  const int64_t qrow;  // index of row0 in the per-token arrays (q_scale, q_mu)
+  SM sm;
+
+  __device__ __forceinline__ ConsumerBase(const Params& p_, int cw_, int tid, const RowWork& w)
+      : p(p_),
+        cw(cw_),
+        b(w.b),
+        h(w.h),
+        bhkv(w.bhkv),
+        qrow(int64_t(w.bh) * p_.nQB * 128 + w.qb * 128 + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
+        sm(p_, w.qb, cw_, tid) {
+    if constexpr (kI8) {
+      sm.qs0 = p.q_scale[qrow] * p.scale_log2;
+      sm.qs1 = p.q_scale[qrow + 8] * p.scale_log2;
+    }
+  }
+  // The step's K block scales, loaded before its waits (their latency off the
+  // softmax's critical path). Nothing without int8 Q.K^T.
+  template <int kHalves>
+  __device__ __forceinline__ void load_kscale(const int (&kb)[kHalves], float (&ksc)[kHalves]) const {
+    if constexpr (kI8) {
+#pragma unroll
+      for (int hh = 0; hh < kHalves; ++hh)
+        ksc[hh] = (kb[hh] >= 0) ? p.k_scale[int64_t(bhkv) * p.nKB + kb[hh]] : 0.f;
+    }
+  }
+  // Added to the LSE of row `half`: the smoothing shift scale * q . mu.
+  __device__ __forceinline__ float lse_shift(int half) const {
+    if constexpr (kI8) return p.q_mu[qrow + 8 * half];
+    return 0.f;
+  }
+};
+
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace sparge
