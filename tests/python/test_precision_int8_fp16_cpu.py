@@ -85,3 +85,18 @@ def test_float32_inputs(rng):
 @pytest.mark.parametrize("bad", ["int8fp16", "INT8_FP16", "int8_f16", "int8_fp16 ", 4])
 def test_bad_precision_names_the_argument(rng, bad):
     check_bad_precision_named(rng, bad, "int8_fp16")
+
+
+def test_plan_reports_the_int8_twin_step():
+    # The CPU twin steps as the GPU kernels (core/kernel_traits.hpp): three
+    # listed 64-key blocks at D = 64, two at 96 and 128, one at 256.
+    from sparge import _core, _capi as C
+
+    for d, keys in ((64, 192), (96, 128), (128, 128), (256, 64)):
+        plan = _core.Plan((1, 2, 1, 300, 300, d, C.DTYPE_BFLOAT16, C.DEVICE_CPU, 0, C.PRECISION_INT8_FP16,
+                           False, 0.0, 0, 0))
+        info = plan.kernel_info()
+        assert info["family"] == "cpu"
+        assert info["head_dim"] == d
+        assert info["keys_per_step"] == keys
+        plan.destroy()

@@ -220,6 +220,26 @@ class SpargePredictParams(ctypes.Structure):
         super().__init__(struct_size=ctypes.sizeof(SpargePredictParams), **defaults)
 
 
+class SpargeKernelInfo(ctypes.Structure):
+    """Mirror of ``sparge_kernel_info_t``; ``struct_size`` is set by the constructor."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("family", ctypes.c_char * 16),
+        ("name", ctypes.c_char * 64),
+        ("sm_version", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("block_q", ctypes.c_int32),
+        ("keys_per_step", ctypes.c_int32),
+        ("stages", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("smem_bytes", ctypes.c_int32),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(struct_size=ctypes.sizeof(SpargeKernelInfo))
+
+
 _T = ctypes.POINTER(SpargeTensor)
 _plan_t = ctypes.c_void_p
 _status_t = ctypes.c_int
@@ -230,6 +250,7 @@ _PROTOTYPES = {
     "sparge_plan_workspace_size": (_status_t, [_plan_t, ctypes.POINTER(ctypes.c_size_t)]),
     "sparge_plan_get_problem": (_status_t, [_plan_t, ctypes.POINTER(SpargeProblem)]),
     "sparge_plan_visible_blocks": (_status_t, [_plan_t, ctypes.POINTER(ctypes.c_int64)]),
+    "sparge_plan_kernel_info": (_status_t, [_plan_t, ctypes.POINTER(SpargeKernelInfo)]),
     "sparge_predict_mask": (
         _status_t,
         [_plan_t, _T, _T, ctypes.POINTER(SpargePredictParams), _T, _T,

@@ -11,7 +11,7 @@ import ctypes
 import math
 import threading
 import weakref
-from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _capi as C
 from ._arrays import View, as_view, dtype_name
@@ -202,6 +202,15 @@ class Plan:
         self.nqb = -(-Lq // self.block_q)
         self.nkb = -(-Lkv // self.block_k)
         self.key = key
+
+    def kernel_info(self) -> Dict[str, Any]:
+        """The attention kernel this plan runs (``sparge_plan_kernel_info``)."""
+        ki = C.SpargeKernelInfo()
+        C.check(C.lib.sparge_plan_kernel_info(self.handle, ctypes.byref(ki)), "sparge_plan_kernel_info")
+        info: Dict[str, Any] = {"family": ki.family.decode(), "name": ki.name.decode()}
+        for f in ("sm_version", "head_dim", "block_q", "keys_per_step", "stages", "threads", "smem_bytes"):
+            info[f] = int(getattr(ki, f))
+        return info
 
     def destroy(self) -> None:
         self._finalizer()
