@@ -46,6 +46,13 @@ if command -v "$PY" >/dev/null 2>&1; then
         $SUDO apt-get install -y -q --no-install-recommends python3-numpy python3-pytest; } ||
       echo "deps: could not install numpy/pytest; the Python tests will be skipped" >&2
   fi
+  # Fresh virtual environments for the package tests (scripts/test_python_package.sh).
+  if ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "deps: installing python3-venv"
+    export DEBIAN_FRONTEND=noninteractive
+    { $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends python3-venv; } ||
+      echo "deps: could not install python3-venv; the package tests will be skipped" >&2
+  fi
 else
   echo "deps: no $PY; the Python tests will be skipped" >&2
 fi

@@ -86,5 +86,5 @@ if "$WORK/venv-install/bin/python" -m pip wheel --disable-pip-version-check --no
      -w "$WORK/dist-nocxx" "$ROOT/bindings/python" >"$log" 2>&1; then
   echo "a build without a C++ compiler succeeded" >&2; exit 1
 fi
-grep -m1 -E "CMAKE_CXX_COMPILER|CXX compiler" "$log"
+grep -m1 -A3 "CMake Error" "$log"
 echo "python package: all steps passed in $(($(date +%s) - t0)) s"
