@@ -9,8 +9,9 @@
 
 The attention function follows transformers' SDPA integration: query ``[B, H, L, D]``,
 key/value ``[B, Hkv, S, D]`` (GQA without repeating heads), causal when the model's module is
-causal, there is no mask and ``L > 1``; the mask function registered with it is transformers'
-``sdpa_mask``, so a mask is only created where SDPA would need one (padding, chunked prefill).
+causal, there is no mask and ``L > 1``; the mask function registered with it
+(:func:`sparge_mask`) is transformers' ``sdpa_mask``, so a mask is only created where SDPA would
+need one (padding, chunked prefill), also under ``torch.compile``.
 Such calls follow the layer's ``on_mask`` setting. Returns ``[B, L, H, D]`` as transformers
 expects, written directly by the library (no transpose copy).
 """
@@ -67,18 +68,37 @@ def sparge_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out, None
 
 
+def sparge_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                mask_function: Any = None, attention_mask: Optional[torch.Tensor] = None,
+                local_size: Optional[int] = None, allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+    """transformers' ``sdpa_mask``, except that a plain causal mask with no padding mask is
+    dropped (None: the attention function then uses ``is_causal``) also while compiling: the
+    decision depends only on Python values (no padding mask given, ``q_length == kv_length`` or
+    ``q_length == 1``), so it is as valid under ``torch.compile`` as in eager mode. transformers'
+    own rule keeps the mask while tracing (for ``torch.export``, where the values could change)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    fn = causal_mask_function if mask_function is None else mask_function
+    if (allow_is_causal_skip and attention_mask is None and local_size is None and fn is causal_mask_function
+            and (q_length == 1 or q_length == kv_length)):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=fn, attention_mask=attention_mask, local_size=local_size,
+                     allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
 def register(name: str = NAME) -> None:
-    """Registers the attention function (and transformers' SDPA mask function) under ``name``
-    with transformers' ``AttentionInterface`` / ``AttentionMaskInterface``. Idempotent."""
+    """Registers the attention function under ``name`` with transformers' ``AttentionInterface``,
+    and :func:`sparge_mask` with its ``AttentionMaskInterface``. Idempotent."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, sparge_attention_forward)
     try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function  # noqa: F401
 
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sparge_mask)
     except ImportError:  # transformers without masking_utils: masks come from the model
         pass
 
 
-__all__ = ["register", "sparge_attention_forward", "NAME"]
+__all__ = ["register", "sparge_attention_forward", "sparge_mask", "NAME"]
