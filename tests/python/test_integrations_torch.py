@@ -101,6 +101,7 @@ def test_plan_serving_loop(gen, device):
     plan = sparge.Plan(1, 4, 300, D, heads_kv=2, dtype=dtype, device=device, precision=prec, is_causal=True)
     ws = plan.allocate_workspace()
     assert ws.numel() >= plan.workspace_size and str(ws.device).startswith(device)
+    assert isinstance(ws, torch.Tensor)  # torch is imported: a torch buffer, also on the CPU
     out = torch.empty(1, 4, 300, D, device=device, dtype=dtype)
     for _ in range(3):
         q = torch.randn(1, 4, 300, D, device=device, dtype=dtype)
@@ -222,25 +223,36 @@ def test_transformers_attention_compiles_fullgraph(gen, device):
 
 @needs_cuda
 def test_transformers_model_compiles_and_captures(gen):
+    """The whole model under torch.compile(fullgraph=True) and in a CUDA graph, with a StaticCache
+    (transformers' compile path: without a cache, transformers builds a dense mask while tracing,
+    for its packed-sequence check)."""
+    transformers = pytest.importorskip("transformers")
     seed = int(gen.integers(2**31))
     model = _llama("sparge", "cuda", torch.bfloat16, seed)
     integ.apply(model, topk=0.5)
-    ids = torch.randint(0, 256, (1, 512), device="cuda")
+    n = 512
+    cache = transformers.StaticCache(config=model.config, max_cache_len=n)
+    pos = torch.arange(n, device="cuda")
+
+    def fwd(x):
+        return model(x, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+    ids = torch.randint(0, 256, (1, n), device="cuda")
     with torch.no_grad():
-        want = model(ids, use_cache=False).logits
-        comp = torch.compile(lambda x: model(x, use_cache=False).logits, fullgraph=True)
+        want = fwd(ids)
+        comp = torch.compile(fwd, fullgraph=True)
         got = comp(ids)
-        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+        assert rel_l1(got.float(), want.float()) <= 0.02
         static = ids.clone()
-        model(static, use_cache=False)  # warm-up
+        fwd(static)  # warm-up
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = model(static, use_cache=False).logits
-        static.copy_(torch.randint(0, 256, (1, 512), device="cuda"))
+            out = fwd(static)
+        static.copy_(torch.randint(0, 256, (1, n), device="cuda"))
         g.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out, model(static, use_cache=False).logits, rtol=0, atol=0)
+        torch.testing.assert_close(out, fwd(static), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- diffusers

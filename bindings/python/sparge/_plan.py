@@ -120,15 +120,22 @@ class Plan:
         return self._p().visible_per_head
 
     def allocate_workspace(self) -> Any:
-        """A new uint8 buffer of :attr:`workspace_size` bytes on the plan's device (torch for
-        CUDA, else cupy; numpy on the CPU), suitably aligned."""
+        """A new uint8 buffer of :attr:`workspace_size` bytes on the plan's device, suitably
+        aligned: a torch tensor when the program imported torch (or, for CUDA, torch is
+        installed), else numpy on the CPU and cupy on CUDA."""
+        import sys
+
         n = max(self.workspace_size, 1)
+        if self.device == "cpu" and "torch" in sys.modules:
+            torch = sys.modules["torch"]
+            buf = torch.empty(n + 256, dtype=torch.uint8)
+            off = (-buf.data_ptr()) % 256
+            return buf[off:off + n]
         if self.device == "cpu":
             buf = np.empty(n + 256, dtype=np.uint8)
             off = (-buf.__array_interface__["data"][0]) % 256
             return buf[off:off + n]
         import importlib.util
-        import sys
 
         if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
             import torch
