@@ -38,7 +38,7 @@ list(LENGTH lines n)
 list(GET lines 0 header)
 list(GET lines 4 last)
 if(NOT rc EQUAL 0 OR NOT n EQUAL 5 OR NOT header MATCHES "^call,seconds,eff_tops,cos_f64,rel_l1,density,device,"
-   OR NOT last MATCHES "^dense \\(all-ones mask\\),[0-9.e+-]+,[0-9.e+-]+,0\\.99999[0-9]+,.*,cpu,1,2,1,256,320,16,fp32,")
+   OR NOT last MATCHES "^dense \\(all-ones mask\\),[0-9.e+-]+,[0-9.e+-]+,(1\\.0+|0\\.99999[0-9]*),.*,cpu,1,2,1,256,320,16,fp32,")
   message(FATAL_ERROR "--csv: exit ${rc}, ${n} lines:\n${csv}")
 endif()
 

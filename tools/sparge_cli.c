@@ -523,11 +523,11 @@ static int cuda_device_count(void) {
 #endif
 }
 
+#ifdef SPARGE_TOOL_CUDA
 /* Why cuda_device_count() found nothing, in words. The runtime reports a machine with
  * no NVIDIA driver at all as cudaErrorInsufficientDriver; tell that apart from an old
  * driver by whether the driver library loads. */
 static const char* no_gpu_reason(void) {
-#ifdef SPARGE_TOOL_CUDA
   static char buf[256];
   if (g_cuda_count_err == cudaErrorInsufficientDriver) {
     void* h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
@@ -541,10 +541,8 @@ static const char* no_gpu_reason(void) {
   snprintf(buf, sizeof(buf), "CUDA device query failed: %s (%s)", cudaGetErrorString(g_cuda_count_err),
            cudaGetErrorName(g_cuda_count_err));
   return buf;
-#else
-  return "this build of the sparge tool has no CUDA support";
-#endif
 }
+#endif
 
 static void resolve_defaults(options_t* o) {
   if (o->device < 0) {
