@@ -20,7 +20,6 @@ step() { printf '\n---- %s\n' "$*"; }
 fresh_venv() {  # dir
   rm -rf "$1"
   "$PY" -m venv "$1"
-  "$1/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   "$1/bin/python" -m pip install -q --disable-pip-version-check numpy pytest
 }
 run_tests() {  # venv, extra pytest args...

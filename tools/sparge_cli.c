@@ -964,7 +964,7 @@ int main(int argc, char** argv) {
   long long kept_total = 0;
   acc_t acc_sparse, acc_dense, acc_own;
   int min_cos_failed = 0;
-  char devname[256] = "cpu (reference backend)";
+  char devname[320] = "cpu (reference backend)";
 
   setvbuf(stdout, NULL, _IOLBF, 0); /* ordered with stderr when both go to one pipe */
   g_t0 = now_seconds();
