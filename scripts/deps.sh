@@ -116,6 +116,9 @@ check_all() {
         pip_pkgs+=("$m")
       done
     fi
+    # Fresh virtual environments for the package tests (scripts/test_python_package.sh).
+    if "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then ok+=("venv + ensurepip for $PY")
+    else need optional "venv for $PY: the Python package install tests are SKIPPED without it" python3-venv python; fi
   else
     need optional "$PY: the Python tests are SKIPPED without it" "python3 python3-numpy python3-pytest" "python numpy pytest"
   fi

@@ -3,10 +3,12 @@
 # header check, the export check, the sparge tool smoke test, and the GPU tests,
 # which report SKIPPED without a GPU), pytest (tests/python, with SPARGE_LIBRARY
 # pointing at the built library) and cargo test (bindings/rust, when cargo is
-# installed). First checks the dependencies (scripts/deps.sh test: Catch2 v2 or
-# v3 as CMake finds it, ...; installs what is missing where it can, and says what
-# is missing and how to install it where it cannot). Runs all suites, then exits
-# non-zero if any failed; a failed dependency, configure or build step stops it.
+# installed), and the Python package's install paths in fresh virtual environments
+# (scripts/test_python_package.sh: needs PyPI; SPARGE_SKIP_PACKAGE=1 skips it).
+# First checks the dependencies (scripts/deps.sh test: Catch2 v2 or v3 as CMake
+# finds it, ...; installs what is missing where it can, and says what is missing
+# and how to install it where it cannot). Runs all suites, then exits non-zero
+# if any failed; a failed dependency, configure or build step stops it.
 #   BUILD_DIR=build SPARGE_CUDA=AUTO|ON|OFF JOBS=N scripts/test.sh
 #   SPARGE_SKIP_DEPS=1 skips the dependency step; SPARGE_NO_INSTALL=1 checks only.
 set -uo pipefail
@@ -69,6 +71,19 @@ else
   if [ $rc -eq 0 ]; then record pytest 0 ""
   elif [ $rc -eq 5 ]; then record pytest 2 "(no tests collected)"
   else record pytest 1 "(exit $rc)"; fi
+fi
+
+section "python package (fresh venvs: pip install, editable install, wheel)"
+if [ "${SPARGE_SKIP_PACKAGE:-0}" = "1" ]; then
+  record python-package 2 "(SPARGE_SKIP_PACKAGE=1)"
+elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+  record python-package 2 "(python3 has no venv/ensurepip: install python3-venv)"
+else
+  if JOBS="$JOBS" bash scripts/test_python_package.sh; then
+    record python-package 0 ""
+  else
+    record python-package 1 ""
+  fi
 fi
 
 section "cargo test (bindings/rust)"

@@ -11,6 +11,12 @@
  * dense attention (all-ones mask), and compares a sample of output rows with a
  * float64 reference computed on the host from the same (rounded) inputs.
  *
+ * Output: a report for people (default), or --json (one object) / --csv (one
+ * row per call) for scripts, on stdout; progress of long runs and notes on
+ * stderr (a refreshed line on a terminal, plain lines when piped). stdout is
+ * line buffered and flushed before anything goes to stderr, so the two stay in
+ * order when both go to one pipe.
+ *
  * Exit status: 0 success, 1 a library or runtime call failed, 2 bad usage,
  * 3 an accuracy gate (--min-cos) was missed.
  */
@@ -25,15 +31,47 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #ifdef SPARGE_TOOL_CUDA
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #endif
 
 /* ------------------------------------------------------------------ errors */
 
+enum { FMT_TEXT, FMT_JSON, FMT_CSV };
+static int g_format = FMT_TEXT;
+static int g_progress = 1;
+static int g_progress_open = 0; /* a terminal progress line is on screen */
+
+static void progress_clear(void);
+
+/* The report for people: only in the text format. */
+static void say(const char* fmt, ...) {
+  va_list ap;
+  if (g_format != FMT_TEXT) return;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+}
+
+/* A note: stdout in the text format, stderr otherwise (stdout is for the data). */
+static void note(const char* fmt, ...) {
+  va_list ap;
+  FILE* f = g_format == FMT_TEXT ? stdout : stderr;
+  fflush(stdout);
+  progress_clear();
+  va_start(ap, fmt);
+  vfprintf(f, fmt, ap);
+  va_end(ap);
+  fflush(f);
+}
+
 static void die(int code, const char* fmt, ...) {
   va_list ap;
+  fflush(stdout);
+  progress_clear();
   fprintf(stderr, "sparge: ");
   va_start(ap, fmt);
   vfprintf(stderr, fmt, ap);
@@ -46,6 +84,8 @@ static void die(int code, const char* fmt, ...) {
 static void check(sparge_status_t st, const char* what) {
   if (st != SPARGE_OK) {
     const char* msg = sparge_last_error();
+    fflush(stdout);
+    progress_clear();
     fprintf(stderr, "sparge: %s failed: %s (status %d)%s%s\n", what, sparge_status_string(st), (int)st,
             msg[0] ? ": " : "", msg);
     exit(1);
@@ -55,6 +95,8 @@ static void check(sparge_status_t st, const char* what) {
 #ifdef SPARGE_TOOL_CUDA
 static void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
+    fflush(stdout);
+    progress_clear();
     fprintf(stderr, "sparge: CUDA runtime: %s failed: %s (%s)\n", what, cudaGetErrorString(e), cudaGetErrorName(e));
     exit(1);
   }
@@ -204,6 +246,43 @@ typedef struct {
   double min_cos; /* < 0: no gate */
 } options_t;
 
+/* ------------------------------------------------------------------ progress */
+
+static double now_seconds(void);
+static double g_t0, g_last_progress;
+
+/* Progress of long runs on stderr: a line refreshed in place on a terminal (after the
+ * first second), plain lines when stderr is not a terminal (after 2 s, then at most one
+ * every 10 s and one per phase). Off with --no-progress. */
+static void progress(const char* what, int i, int n) {
+  static const char* last_what = NULL;
+  double t = now_seconds(), el = t - g_t0;
+  int new_phase = what != last_what;
+  if (!g_progress) return;
+  if (isatty(fileno(stderr))) {
+    if (el < 1.0 || (t - g_last_progress < 0.2 && !new_phase)) return;
+    fflush(stdout);
+    fprintf(stderr, "\r\033[Ksparge: %s %d/%d (%.0f s)", what, i, n, el);
+    fflush(stderr);
+    g_progress_open = 1;
+  } else {
+    if (el < 2.0 || (!new_phase && t - g_last_progress < 10.0)) return;
+    fflush(stdout);
+    fprintf(stderr, "sparge: progress: %s %d/%d (%.1f s)\n", what, i, n, el);
+    fflush(stderr);
+  }
+  last_what = what;
+  g_last_progress = t;
+}
+
+static void progress_clear(void) {
+  if (g_progress_open) {
+    fprintf(stderr, "\r\033[K");
+    fflush(stderr);
+    g_progress_open = 0;
+  }
+}
+
 static void usage(FILE* f) {
   fprintf(f,
           "usage: sparge [options]\n"
@@ -239,7 +318,14 @@ static void usage(FILE* f) {
           "                         (default), or i.i.d. normal\n"
           "  --rows N               rows sampled for the accuracy check (default 128)\n"
           "  --min-cos X            exit 3 unless dense and sparse-on-its-own-mask cosine >= X\n"
-          "  -h, --help             this text\n");
+          "  --json                 print the results as one JSON object (stdout) instead of the report\n"
+          "  --csv                  print the results as CSV, a header and one row per call\n"
+          "  --no-progress          no progress lines on stderr during long runs\n"
+          "  --version              print the tool's and the loaded library's versions and exit\n"
+          "  -h, --help             this text\n"
+          "\n"
+          "Short options take their value attached or separate (-L256 or -L 256); long ones\n"
+          "with '=' or separate (--len=256 or --len 256).\n");
 }
 
 static int parse_i64(const char* flag, const char* v, int64_t lo, int64_t* out) {
@@ -286,6 +372,12 @@ static void parse_args(int argc, char** argv, options_t* o) {
       memcpy(flag, a, (size_t)(eq - a));
       flag[eq - a] = 0;
       val = eq + 1;
+    } else if (a[0] == '-' && a[1] && a[1] != '-' && a[2] && strchr("bHLD", a[1])) {
+      /* GNU style: a short option with its value attached (-L256) */
+      flag[0] = '-';
+      flag[1] = a[1];
+      flag[2] = 0;
+      val = a + 2;
     } else {
       snprintf(flag, sizeof(flag), "%s", a);
     }
@@ -293,6 +385,18 @@ static void parse_args(int argc, char** argv, options_t* o) {
     if (!strcmp(flag, "-h") || !strcmp(flag, "--help")) {
       usage(stdout);
       exit(0);
+    } else if (!strcmp(flag, "--version")) {
+      int ma, mi, pa;
+      sparge_version(&ma, &mi, &pa);
+      printf("sparge %d.%d.%d (libsparge %d.%d.%d loaded, CUDA backend: %s)\n", SPARGE_VERSION_MAJOR,
+             SPARGE_VERSION_MINOR, SPARGE_VERSION_PATCH, ma, mi, pa, sparge_has_cuda() ? "yes" : "no");
+      exit(0);
+    } else if (!strcmp(flag, "--json")) {
+      g_format = FMT_JSON;
+    } else if (!strcmp(flag, "--csv")) {
+      g_format = FMT_CSV;
+    } else if (!strcmp(flag, "--no-progress")) {
+      g_progress = 0;
     } else if (!strcmp(flag, "--device")) {
       const char* v = VALUE();
       if (!v) die(2, "--device needs a value");
@@ -389,6 +493,7 @@ static void parse_args(int argc, char** argv, options_t* o) {
     } else if (!strcmp(flag, "--min-cos")) {
       o->min_cos = parse_f(flag, VALUE());
     } else {
+      fflush(stdout);
       fprintf(stderr, "sparge: unknown option '%s'\n\n", a);
       usage(stderr);
       exit(2);
@@ -399,11 +504,16 @@ static void parse_args(int argc, char** argv, options_t* o) {
 
 /* ------------------------------------------------------------------ device choice */
 
-/* 1 if a CUDA device is usable by this process (only when built with the runtime). */
+#ifdef SPARGE_TOOL_CUDA
+static cudaError_t g_cuda_count_err = cudaSuccess;
+#endif
+
+/* Number of CUDA devices usable by this process (only when built with the runtime). */
 static int cuda_device_count(void) {
 #ifdef SPARGE_TOOL_CUDA
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+  g_cuda_count_err = cudaGetDeviceCount(&n);
+  if (g_cuda_count_err != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
@@ -413,9 +523,34 @@ static int cuda_device_count(void) {
 #endif
 }
 
+#ifdef SPARGE_TOOL_CUDA
+/* Why cuda_device_count() found nothing, in words. The runtime reports a machine with
+ * no NVIDIA driver at all as cudaErrorInsufficientDriver; tell that apart from an old
+ * driver by whether the driver library loads. */
+static const char* no_gpu_reason(void) {
+  static char buf[256];
+  if (g_cuda_count_err == cudaErrorInsufficientDriver) {
+    void* h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (!h) return "no NVIDIA driver is installed (libcuda.so.1 cannot be loaded)";
+    dlclose(h);
+    return "the NVIDIA driver is older than the CUDA runtime this tool was built with "
+           "(cudaErrorInsufficientDriver)";
+  }
+  if (g_cuda_count_err == cudaErrorNoDevice || g_cuda_count_err == cudaSuccess)
+    return "no CUDA device is visible to this process";
+  snprintf(buf, sizeof(buf), "CUDA device query failed: %s (%s)", cudaGetErrorString(g_cuda_count_err),
+           cudaGetErrorName(g_cuda_count_err));
+  return buf;
+}
+#endif
+
 static void resolve_defaults(options_t* o) {
   if (o->device < 0) {
-    o->device = (sparge_has_cuda() && cuda_device_count() > 0) ? SPARGE_DEVICE_CUDA : SPARGE_DEVICE_CPU;
+    int have_gpu = sparge_has_cuda() && cuda_device_count() > 0;
+    o->device = have_gpu ? SPARGE_DEVICE_CUDA : SPARGE_DEVICE_CPU;
+#ifdef SPARGE_TOOL_CUDA
+    if (!have_gpu && sparge_has_cuda()) note("note      : %s; running the CPU workload\n", no_gpu_reason());
+#endif
     if (o->device == SPARGE_DEVICE_CUDA) {
       /* A GPU is present; make sure the library can use it (e.g. its compute
        * capability), else fall back to the CPU workload and say why. */
@@ -429,8 +564,8 @@ static void resolve_defaults(options_t* o) {
       st = sparge_create_plan(&probe, &plan);
       sparge_destroy_plan(plan);
       if (st != SPARGE_OK) {
-        printf("note      : CUDA device not usable (%s: %s); running the CPU workload\n", sparge_status_string(st),
-               sparge_last_error());
+        note("note      : CUDA device not usable (%s: %s); running the CPU workload\n", sparge_status_string(st),
+             sparge_last_error());
         o->device = SPARGE_DEVICE_CPU;
       }
     }
@@ -772,7 +907,10 @@ static void one_call(const run_ctx_t* c, int which) {
 static double time_call(const run_ctx_t* c, timer_ctx_t* t, int which, int warmup, int iters) {
   int i;
   double sec = 0.0;
-  for (i = 0; i < warmup; ++i) one_call(c, which);
+  for (i = 0; i < warmup; ++i) {
+    if (!t->cuda) progress(kCallNames[which], i + 1, warmup + iters);
+    one_call(c, which);
+  }
   if (t->cuda) {
 #ifdef SPARGE_TOOL_CUDA
     float ms = 0.f;
@@ -785,7 +923,10 @@ static double time_call(const run_ctx_t* c, timer_ctx_t* t, int which, int warmu
 #endif
   } else {
     double t0 = now_seconds();
-    for (i = 0; i < iters; ++i) one_call(c, which);
+    for (i = 0; i < iters; ++i) {
+      progress(kCallNames[which], warmup + i + 1, warmup + iters);
+      one_call(c, which);
+    }
     sec = now_seconds() - t0;
   }
   return sec / iters;
@@ -795,11 +936,11 @@ static double time_call(const run_ctx_t* c, timer_ctx_t* t, int which, int warmu
 
 static void print_time(double sec) {
   if (sec < 1e-3)
-    printf("%10.1f us", sec * 1e6);
+    say("%10.1f us", sec * 1e6);
   else if (sec < 1.0)
-    printf("%10.3f ms", sec * 1e3);
+    say("%10.3f ms", sec * 1e3);
   else
-    printf("%10.3f s ", sec);
+    say("%10.3f s ", sec);
 }
 
 int main(int argc, char** argv) {
@@ -823,10 +964,13 @@ int main(int argc, char** argv) {
   long long kept_total = 0;
   acc_t acc_sparse, acc_dense, acc_own;
   int min_cos_failed = 0;
+  char devname[320] = "cpu (reference backend)";
 
+  setvbuf(stdout, NULL, _IOLBF, 0); /* ordered with stderr when both go to one pipe */
+  g_t0 = now_seconds();
   parse_args(argc, argv, &o);
   sparge_version(&major, &minor, &patch);
-  printf("sparge %d.%d.%d (CUDA backend: %s)\n", major, minor, patch, sparge_has_cuda() ? "yes" : "no");
+  say("sparge %d.%d.%d (CUDA backend: %s)\n", major, minor, patch, sparge_has_cuda() ? "yes" : "no");
   resolve_defaults(&o);
   dev = (sparge_device_type_t)o.device;
   dt = (sparge_dtype_t)o.dtype;
@@ -841,18 +985,19 @@ int main(int argc, char** argv) {
     struct cudaDeviceProp prop;
     int n = cuda_device_count();
     if (n <= 0) {
-      /* Let the library say it: plan creation checks the device. */
-      fprintf(stderr, "sparge: no CUDA device is visible to this process\n");
+      die(1, "--device cuda: %s", no_gpu_reason());
     } else {
       if (o.device_id >= n) die(1, "--device cuda:%d: only %d CUDA device(s) present", o.device_id, n);
       cuda_check(cudaSetDevice(o.device_id), "cudaSetDevice");
       cuda_check(cudaGetDeviceProperties(&prop, o.device_id), "cudaGetDeviceProperties");
-      printf("device    : cuda:%d %s (sm_%d%d, %d SMs)\n", o.device_id, prop.name, prop.major, prop.minor,
+      snprintf(devname, sizeof(devname), "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
+               prop.multiProcessorCount);
+      say("device    : cuda:%d %s (sm_%d%d, %d SMs)\n", o.device_id, prop.name, prop.major, prop.minor,
              prop.multiProcessorCount);
     }
   }
 #endif
-  if (!cuda) printf("device    : cpu (reference backend)\n");
+  if (!cuda) say("device    : cpu (reference backend)\n");
 
   /* ---- plan */
   prob.batch = o.B;
@@ -885,17 +1030,17 @@ int main(int argc, char** argv) {
   c.params.smooth_k = o.smooth_k;
   c.params.attention_sink = o.sink;
 
-  printf("problem   : B=%lld Hq=%lld Hkv=%lld Lq=%lld Lkv=%lld D=%lld %s, layout %s, %s, scale %.6g\n",
+  say("problem   : B=%lld Hq=%lld Hkv=%lld Lq=%lld Lkv=%lld D=%lld %s, layout %s, %s, scale %.6g\n",
          (long long)o.B, (long long)o.H, (long long)o.Hkv, (long long)o.L, (long long)o.Lkv, (long long)o.D,
          dtype_name(dt), o.nhd ? "nhd" : "hnd", o.causal ? "causal" : "non-causal", (double)resolved.scale);
   if (o.use_cdf)
-    printf("sparsity  : precision %s, select cdf %.3g", precision_name(resolved.precision), (double)o.cdf);
+    say("sparsity  : precision %s, select cdf %.3g", precision_name(resolved.precision), (double)o.cdf);
   else
-    printf("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
-  printf(", sim_threshold %.3g, smooth_k %d, sink %d\n", (double)o.sim_threshold, o.smooth_k, o.sink);
-  printf("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
+    say("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
+  say(", sim_threshold %.3g, smooth_k %d, sink %d\n", (double)o.sim_threshold, o.smooth_k, o.sink);
+  say("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
-  printf("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));
+  say("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));
 
   /* ---- inputs */
   generate(&o, &in);
@@ -979,7 +1124,7 @@ int main(int argc, char** argv) {
     if (dens > kmax) kmax = dens;
   }
   density = visible > 0 ? (double)kept_total / ((double)visible * (double)(o.B * o.H)) : 0.0;
-  printf("blocks    : %dx%d, %lldx%lld per head, %lld visible; density %.4f "
+  say("blocks    : %dx%d, %lldx%lld per head, %lld visible; density %.4f "
          "(per head %.4f .. %.4f)\n",
          resolved.block_q, resolved.block_k, (long long)nQB, (long long)nKB, (long long)visible, density, kmin,
          kmax);
@@ -1002,6 +1147,7 @@ int main(int argc, char** argv) {
     for (s = 0; s < nrows; ++s) {
       int64_t flat = (nrows == total) ? s : (int64_t)(rng_next(&r) % (uint64_t)total);
       size_t base;
+      progress("float64 reference rows", s + 1, nrows);
       b = flat / (o.H * o.L);
       h = (flat / o.L) % o.H;
       i = flat % o.L;
@@ -1016,7 +1162,7 @@ int main(int argc, char** argv) {
       acc_add(&acc_sparse, row, ref, o.D);
       acc_add(&acc_own, row, ref_mask, o.D);
     }
-    printf("accuracy  : %d sampled rows vs a float64 reference of the same (rounded) inputs\n", nrows);
+    say("accuracy  : %d sampled rows vs a float64 reference of the same (rounded) inputs\n", nrows);
     free(logits);
     free(ref);
     free(ref_mask);
@@ -1025,40 +1171,109 @@ int main(int argc, char** argv) {
   }
 
   /* ---- report */
+  progress_clear();
   for (i = 0; i < o.L; ++i) {
     int64_t last = o.causal ? i + (o.Lkv - o.L) : o.Lkv - 1;
     if (last > o.Lkv - 1) last = o.Lkv - 1;
     if (last >= 0) pairs += last + 1;
   }
   flops = 4.0 * (double)o.B * (double)o.H * (double)o.D * (double)pairs;
-  printf("\n%-32s %13s %11s %11s %9s\n", "call", "time/call", "eff. TOPS", "cos (f64)", "rel L1");
+  say("\n%-32s %13s %11s %11s %9s\n", "call", "time/call", "eff. TOPS", "cos (f64)", "rel L1");
   for (which = 0; which < kNumCalls; ++which) {
-    printf("%-32s ", kCallNames[which]);
+    say("%-32s ", kCallNames[which]);
     print_time(sec[which]);
     if (which == kPredict) {
-      printf("\n");
+      say("\n");
       continue;
     }
     {
       double tops = sec[which] > 0 ? flops / sec[which] * 1e-12 : 0.0;
-      printf(tops < 10.0 ? " %11.4f" : " %11.1f", tops);
+      say(tops < 10.0 ? " %11.4f" : " %11.1f", tops);
     }
     if (which == kSparse)
-      printf(" %11.6f %9.5f", acc_cos(&acc_sparse), acc_rel_l1(&acc_sparse));
+      say(" %11.6f %9.5f", acc_cos(&acc_sparse), acc_rel_l1(&acc_sparse));
     else if (which == kDense)
-      printf(" %11.6f %9.5f", acc_cos(&acc_dense), acc_rel_l1(&acc_dense));
-    printf("\n");
+      say(" %11.6f %9.5f", acc_cos(&acc_dense), acc_rel_l1(&acc_dense));
+    say("\n");
   }
-  printf("\nspeedup   : dense / sparse %.2fx end to end, %.2fx attention only; prediction is %.1f%% of dense\n",
+  say("\nspeedup   : dense / sparse %.2fx end to end, %.2fx attention only; prediction is %.1f%% of dense\n",
          sec[kDense] / sec[kSparse], sec[kDense] / sec[kSparseGivenMask], 100.0 * sec[kPredict] / sec[kDense]);
-  printf("kernel    : sparse vs exact attention on its own predicted mask: cos %.6f, rel L1 %.5f\n",
+  say("kernel    : sparse vs exact attention on its own predicted mask: cos %.6f, rel L1 %.5f\n",
          acc_cos(&acc_own), acc_rel_l1(&acc_own));
-  printf("timing    : %d warmup + %d timed call(s) each, %s; eff. TOPS = dense FLOPs (4*B*Hq*D*visible "
+  say("timing    : %d warmup + %d timed call(s) each, %s; eff. TOPS = dense FLOPs (4*B*Hq*D*visible "
          "token pairs) / time\n",
          o.warmup, o.iters, cuda ? "CUDA events on a non-blocking stream" : "monotonic clock");
 
+  if (g_format != FMT_TEXT) {
+    char devstr[32];
+    double cos_v[kNumCalls], l1_v[kNumCalls], tops_v[kNumCalls];
+    for (which = 0; which < kNumCalls; ++which) {
+      cos_v[which] = l1_v[which] = NAN;
+      tops_v[which] = which == kPredict || sec[which] <= 0 ? NAN : flops / sec[which] * 1e-12;
+    }
+    snprintf(devstr, sizeof(devstr), cuda ? "cuda:%d" : "cpu", o.device_id);
+    cos_v[kSparse] = acc_cos(&acc_sparse);
+    l1_v[kSparse] = acc_rel_l1(&acc_sparse);
+    cos_v[kDense] = acc_cos(&acc_dense);
+    l1_v[kDense] = acc_rel_l1(&acc_dense);
+    if (g_format == FMT_CSV) {
+      printf("call,seconds,eff_tops,cos_f64,rel_l1,density,device,B,Hq,Hkv,Lq,Lkv,D,dtype,layout,causal,precision,"
+             "select,topk,cdf,version\n");
+      for (which = 0; which < kNumCalls; ++which) {
+        printf("%s,%.9g,", kCallNames[which], sec[which]);
+        if (tops_v[which] == tops_v[which]) printf("%.6g", tops_v[which]);
+        printf(",");
+        if (cos_v[which] == cos_v[which]) printf("%.9f,%.9f", cos_v[which], l1_v[which]);
+        else printf(",");
+        printf(",%.6f,%s,%lld,%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%s,%s,%.6g,%.6g,%d.%d.%d\n", density, devstr,
+               (long long)o.B, (long long)o.H,
+               (long long)o.Hkv, (long long)o.L, (long long)o.Lkv, (long long)o.D, dtype_name(dt),
+               o.nhd ? "nhd" : "hnd", o.causal, precision_name(resolved.precision), o.use_cdf ? "cdf" : "topk",
+               (double)o.topk, (double)o.cdf, major, minor, patch);
+      }
+    } else {
+      const char* p;
+      printf("{\"version\": \"%d.%d.%d\", \"cuda_backend\": %s, \"device\": \"", major, minor, patch,
+             sparge_has_cuda() ? "true" : "false");
+      printf("%s\", \"device_name\": \"", devstr);
+      for (p = devname; *p; ++p) {
+        if (*p == '"' || *p == '\\') putchar('\\');
+        if ((unsigned char)*p >= 0x20) putchar(*p);
+      }
+      printf("\",\n \"problem\": {\"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"Lq\": %lld, \"Lkv\": %lld, "
+             "\"D\": %lld, \"dtype\": \"%s\", \"layout\": \"%s\", \"causal\": %s, \"scale\": %.9g},\n",
+             (long long)o.B, (long long)o.H, (long long)o.Hkv, (long long)o.L, (long long)o.Lkv, (long long)o.D,
+             dtype_name(dt), o.nhd ? "nhd" : "hnd", o.causal ? "true" : "false", (double)resolved.scale);
+      printf(" \"sparsity\": {\"precision\": \"%s\", \"select\": \"%s\", \"topk\": %.9g, \"cdf\": %.9g, "
+             "\"sim_threshold\": %.9g, \"smooth_k\": %s, \"sink\": %s},\n",
+             precision_name(resolved.precision), o.use_cdf ? "cdf" : "topk", (double)o.topk, (double)o.cdf,
+             (double)o.sim_threshold, o.smooth_k ? "true" : "false", o.sink ? "true" : "false");
+      printf(" \"inputs\": {\"data\": \"%s\", \"seed\": %llu}, \"workspace_bytes\": %zu,\n",
+             o.data_random ? "random" : "clustered", (unsigned long long)o.seed, c.ws_bytes);
+      printf(" \"blocks\": {\"block_q\": %d, \"block_k\": %d, \"q_blocks\": %lld, \"k_blocks\": %lld, "
+             "\"visible_per_head\": %lld, \"density\": %.9g, \"density_min\": %.9g, \"density_max\": %.9g},\n",
+             resolved.block_q, resolved.block_k, (long long)nQB, (long long)nKB, (long long)visible, density, kmin,
+             kmax);
+      printf(" \"calls\": [");
+      for (which = 0; which < kNumCalls; ++which) {
+        printf("%s\n  {\"name\": \"%s\", \"seconds\": %.9g", which ? "," : "", kCallNames[which], sec[which]);
+        if (tops_v[which] == tops_v[which]) printf(", \"eff_tops\": %.6g", tops_v[which]);
+        if (cos_v[which] == cos_v[which]) printf(", \"cos_f64\": %.9f, \"rel_l1\": %.9f", cos_v[which], l1_v[which]);
+        printf("}");
+      }
+      printf("],\n \"speedup_end_to_end\": %.6g, \"speedup_attention\": %.6g, \"prediction_share\": %.6g,\n",
+             sec[kDense] / sec[kSparse], sec[kDense] / sec[kSparseGivenMask], sec[kPredict] / sec[kDense]);
+      printf(" \"kernel_on_own_mask\": {\"cos_f64\": %.9f, \"rel_l1\": %.9f}, \"accuracy_rows\": %d,\n",
+             acc_cos(&acc_own), acc_rel_l1(&acc_own), o.rows < o.B * o.H * o.L ? o.rows : (int)(o.B * o.H * o.L));
+      printf(" \"timing\": {\"warmup\": %d, \"iters\": %d, \"clock\": \"%s\"}}\n", o.warmup, o.iters,
+             cuda ? "cuda_events" : "monotonic");
+    }
+    fflush(stdout);
+  }
+
   if (o.min_cos >= 0.0) {
     if (acc_cos(&acc_dense) < o.min_cos || acc_cos(&acc_own) < o.min_cos) {
+      fflush(stdout);
       fprintf(stderr, "sparge: accuracy gate missed: dense cos %.6f, sparse-on-own-mask cos %.6f, need >= %.6f\n",
               acc_cos(&acc_dense), acc_cos(&acc_own), o.min_cos);
       min_cos_failed = 1;

@@ -3,6 +3,10 @@
 The library comes from $SPARGE_LIBRARY when set, else the newest
 build*/libsparge.so* of this checkout, else the package's own copy or the
 system (the loader's normal search).
+
+SPARGE_TEST_INSTALLED=1 tests the installed package instead (pip install,
+editable or wheel): the checkout is not put on sys.path and the library is the
+package's own copy.
 """
 
 import glob
@@ -16,7 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PKG = os.path.join(ROOT, "bindings", "python")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-if PKG not in sys.path:
+INSTALLED = os.environ.get("SPARGE_TEST_INSTALLED") == "1"
+
+if PKG not in sys.path and not INSTALLED:
     sys.path.insert(0, PKG)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
@@ -29,7 +35,7 @@ def _find_built_library():
     return max(cands, key=os.path.getmtime)
 
 
-if not os.environ.get("SPARGE_LIBRARY"):
+if not os.environ.get("SPARGE_LIBRARY") and not INSTALLED:
     _lib = _find_built_library()
     if _lib:
         os.environ["SPARGE_LIBRARY"] = _lib
@@ -49,4 +55,9 @@ def rng(request):
 
 def pytest_report_header(config):
     lib = os.environ.get("SPARGE_LIBRARY", "(loader search)")
+    if INSTALLED:
+        import sparge
+
+        return "sparge %s installed at %s; libsparge: %s" % (
+            sparge.__version__, os.path.dirname(sparge.__file__), sparge.library_path())
     return "libsparge: %s" % lib

@@ -14,7 +14,7 @@ import sparge
 from sparge import _capi
 
 PKG = os.path.dirname(os.path.dirname(os.path.abspath(sparge.__file__)))
-ROOT = os.path.dirname(os.path.dirname(PKG))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_py(code, env_extra):

@@ -5,6 +5,7 @@ Quick start::
     import sparge
     out = sparge.attention(q, k, v, topk=0.5, is_causal=True)          # torch CUDA tensors
     out = sparge.attention(q_np, k_np, v_np, precision="exact")        # numpy: CPU backend
+    out = sparge.sdpa(q, k, v, is_causal=True, topk=0.5)                # SDPA's signature
 
 The original SpargeAttn names are in :mod:`sparge.compat` (also importable as
 ``spas_sage_attn``). See docs/PYTHON.md.
@@ -30,6 +31,8 @@ from ._capi import (
     library_path,
 )
 from ._api import attention, block_sparse_attention, predict_mask, visible_key_blocks
+from ._sdpa import sdpa
+from ._plan import Plan
 from . import compat
 from .compat import (
     block_sparse_sage2_attn_cuda,
@@ -39,10 +42,12 @@ from .compat import (
     spas_sage_attn_meansim_topk_cuda,
 )
 
-__version__ = "%d.%d.%d" % PACKAGE_VERSION
+__version__ = "%d.%d.%d" % PACKAGE_VERSION  # generated from CMake's project(VERSION)
 
 __all__ = [
     "attention",
+    "sdpa",
+    "Plan",
     "predict_mask",
     "block_sparse_attention",
     "visible_key_blocks",

@@ -200,7 +200,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
               mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
               smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
               block_size: Tuple[int, int] = (128, 64), return_sparsity: bool = False,
-              return_lse: bool = False, stream: Optional[int] = None) -> Any:
+              return_lse: bool = False, stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Block-sparse attention with a predicted (or given) block mask.
 
     Args:
@@ -214,7 +214,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         is_causal: bottom-right aligned token-exact causality (query i sees key j iff
             ``j <= i + Lkv - Lq``).
         scale: softmax scale; None = ``1/sqrt(D)``.
-        layout: ``"HND"`` or ``"NHD"``.
+        layout: ``"HND"`` or ``"NHD"`` (any case).
         mask: optional uint8/bool block mask ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]`` (1 = compute);
             given, no prediction runs.
         mode: ``"topk"`` or ``"cdf"`` (keep the smallest set of blocks whose pooled-score
@@ -239,6 +239,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         stream: CUDA stream handle for non-torch CUDA inputs (default: the
             ``__cuda_array_interface__`` stream of q, else the default stream). torch tensors
             always use ``torch.cuda.current_stream()``.
+        out: write the result into this array (q's shape, layout, dtype and device; any strides
+            with a unit stride on D) instead of a new one; it is returned.
 
     Returns:
         ``out`` (q's shape and layout, q's dtype), or a tuple ``(out, density)``,
@@ -250,41 +252,72 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
     r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
                  cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
                  attention_sink=attention_sink, precision=precision, block_size=block_size)
+    return _attention(q, k, v, r, mask, out, return_sparsity, return_lse, stream)
+
+
+def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any, out: Any,
+               return_sparsity: bool, return_lse: bool, stream: Optional[int],
+               plan: Optional[core.Plan] = None, workspace: Any = None) -> Any:
+    """attention() after option resolution; ``plan``/``workspace`` from a :class:`sparge.Plan`."""
     mask = _normalize_mask(mask)
     if _is_torch(q):
-        for name, t in (("k", k), ("v", v)) + ((("mask", mask),) if mask is not None else ()):
+        extra = (("mask", mask),) if mask is not None else ()
+        extra += (("out", out),) if out is not None else ()
+        extra += (("workspace", workspace),) if workspace is not None else ()
+        for name, t in (("k", k), ("v", v)) + extra:
             if not _is_torch(t):
                 raise C.InvalidArgumentError("%s must be a torch tensor like q, got %s" % (name, type(t).__name__))
         want_kept = return_sparsity and mask is None
         ops = _ops()
-        if EAGER_DIRECT and ops.eager_direct_ok(q, k, v, mask):
+        if plan is not None or (EAGER_DIRECT and ops.eager_direct_ok(q, k, v, mask, out)):
             # Plain eager call: skip the custom-op dispatch (same library call, less host time).
-            out, lse, kept = ops.run_attention(q, k, v, mask, (r.topk_h, r.cdf_h, r.sim_h), r.opts,
-                                               bool(return_lse), bool(want_kept))
+            if plan is not None and not ops.eager_direct_ok(q, k, v, mask, out, workspace):
+                raise C.UnsupportedError("Plan.run calls the library directly (eager only); under "
+                                         "torch.compile or a dispatch mode use sparge.attention or sparge.sdpa")
+            wv = _arrays_view(workspace, "workspace") if workspace is not None else None
+            res, lse, kept = ops.run_attention(q, k, v, mask, (r.topk_h, r.cdf_h, r.sim_h), r.opts,
+                                               bool(return_lse), bool(want_kept), out=out, plan=plan,
+                                               workspace=wv)
         else:
-            out, lse, kept = ops.attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
+            res, lse, kept = ops.attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
                                                 bool(return_lse), bool(want_kept))
+            if out is not None:
+                if tuple(out.shape) != tuple(res.shape) or out.dtype != res.dtype or out.device != res.device:
+                    raise C.InvalidArgumentError("out must have shape %s, dtype %s on %s, got %s, %s on %s"
+                                                 % (tuple(res.shape), res.dtype, res.device, tuple(out.shape),
+                                                    out.dtype, out.device))
+                out.copy_(res)
+                res = out
         density = None
         if return_sparsity:
             s = _shapes_torch(q, k, r.opts.layout)
             density = (_density_from_kept(kept, s, r.bq, r.bk, r.opts.causal) if mask is None
                        else _density_from_mask(mask, s, r.bq, r.bk, r.opts.causal))
-        return _pack(out, density, lse if return_lse else None, return_sparsity, return_lse)
+        return _pack(res, density, lse if return_lse else None, return_sparsity, return_lse)
 
     qv, kv, vv = _views(stream, q=q, k=k, v=v)
     s = core.check_qkv(qv, kv, vv, r.opts.layout)
     alloc = allocator_for(q, qv)
     mv = as_view(mask, "mask", stream) if mask is not None else None
+    ov = (out, as_view(out, "out", stream)) if out is not None else None
+    wv = as_view(workspace, "workspace", stream) if workspace is not None else None
     want_kept = return_sparsity and mask is None
-    out, lse, kept, plan = core.attention(alloc, qv, kv, vv, s, r.opts, _stream_of(stream, qv), mask=mv,
+    res, lse, kept, plan = core.attention(alloc, qv, kv, vv, s, r.opts, _stream_of(stream, qv), mask=mv,
                                           topk_h=r.topk_h, cdf_h=r.cdf_h, sim_h=r.sim_h,
-                                          want_lse=return_lse, want_kept=want_kept)
-    del qv, kv, vv, mv  # releases consumed DLPack capsules
+                                          want_lse=return_lse, want_kept=want_kept, plan=plan,
+                                          workspace=wv, out=ov)
+    del qv, kv, vv, mv, ov, wv  # releases consumed DLPack capsules
     density = None
     if return_sparsity:
         density = (_density_from_kept(kept, s, plan.block_q, plan.block_k, r.opts.causal) if mask is None
                    else _density_from_mask(mask, s, plan.block_q, plan.block_k, r.opts.causal))
-    return _pack(out, density, lse, return_sparsity, return_lse)
+    return _pack(res, density, lse, return_sparsity, return_lse)
+
+
+def _arrays_view(x: Any, name: str) -> Any:
+    from ._arrays import torch_view
+
+    return torch_view(x)
 
 
 def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: bool = False,
@@ -292,26 +325,52 @@ def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: 
                  cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
                  smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
                  block_size: Tuple[int, int] = (128, 64), return_kept: bool = False,
-                 stream: Optional[int] = None) -> Any:
+                 stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Predicts the block mask that :func:`attention` would use.
 
     Same arguments as :func:`attention` (v is not needed). Returns the uint8 mask
-    ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]`` in q's framework and memory space, or
-    ``(mask, kept)`` with ``return_kept`` (int32 ``[B, Hq]`` kept-block counts).
+    ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]`` in q's framework and memory space (written into
+    ``out`` when given: a uint8 array of that shape), or ``(mask, kept)`` with ``return_kept``
+    (int32 ``[B, Hq]`` kept-block counts).
     """
     r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
                  cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
                  attention_sink=attention_sink, precision=precision, block_size=block_size)
+    return _predict(q, k, r, return_kept, stream, out)
+
+
+def _predict(q: ArrayLike, k: ArrayLike, r: _Resolved, return_kept: bool, stream: Optional[int], out: Any,
+             plan: Optional[core.Plan] = None, workspace: Any = None) -> Any:
     if _is_torch(q):
-        if not _is_torch(k):
-            raise C.InvalidArgumentError("k must be a torch tensor like q, got %s" % type(k).__name__)
-        mask, kept = _ops().predict_call(q, k, *_split_torch_heads(r), *_op_scalars(r))
+        for name, t in (("k", k), ("out", out), ("workspace", workspace)):
+            if t is not None and not _is_torch(t):
+                raise C.InvalidArgumentError("%s must be a torch tensor like q, got %s" % (name, type(t).__name__))
+        ops = _ops()
+        if plan is not None or (out is not None and ops.eager_direct_ok(q, k, out)):
+            if not ops.eager_direct_ok(q, k, out, workspace):
+                raise C.UnsupportedError("Plan.predict and predict_mask(out=...) call the library directly "
+                                         "(eager only); under torch.compile use sparge.predict_mask")
+            from ._arrays import torch_view
+
+            qv, kv = torch_view(q), torch_view(k)
+            s = core.check_qkv(qv, kv, None, r.opts.layout)
+            ov = (out, torch_view(out)) if out is not None else None
+            wv = torch_view(workspace) if workspace is not None else None
+            mask, kept = ops.run_predict(q, qv, kv, s, r.opts, (r.topk_h, r.cdf_h, r.sim_h), plan, wv, ov)
+        else:
+            mask, kept = ops.predict_call(q, k, *_split_torch_heads(r), *_op_scalars(r))
+            if out is not None:
+                out.copy_(mask)
+                mask = out
     else:
         qv, kv = _views(stream, q=q, k=k)
         s = core.check_qkv(qv, kv, None, r.opts.layout)
+        ov = (out, as_view(out, "out", stream)) if out is not None else None
+        wv = as_view(workspace, "workspace", stream) if workspace is not None else None
         mask, kept, _ = core.predict(allocator_for(q, qv), qv, kv, s, r.opts, _stream_of(stream, qv),
-                                     r.topk_h, r.cdf_h, r.sim_h, want_kept=return_kept)
-        del qv, kv
+                                     r.topk_h, r.cdf_h, r.sim_h, want_kept=return_kept, plan=plan,
+                                     workspace=wv, out=ov)
+        del qv, kv, ov, wv
     return (mask, kept) if return_kept else mask
 
 
@@ -319,7 +378,7 @@ def block_sparse_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: Array
                            is_causal: bool = False, scale: Optional[float] = None, layout: str = "HND",
                            precision: str = "int8_fp8", block_size: Tuple[int, int] = (128, 64),
                            return_sparsity: bool = False, return_lse: bool = False,
-                           stream: Optional[int] = None) -> Any:
+                           stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Attention restricted to the blocks of a given mask (no prediction).
 
     ``mask``: uint8 or bool ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]``, 1 = compute, in q's memory
@@ -330,4 +389,4 @@ def block_sparse_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: Array
         raise C.InvalidArgumentError("mask is required (use attention() to predict one)")
     return attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, layout=layout,
                      precision=precision, block_size=block_size, return_sparsity=return_sparsity,
-                     return_lse=return_lse, stream=stream)
+                     return_lse=return_lse, stream=stream, out=out)

@@ -58,6 +58,15 @@ class View:
     def ndim(self) -> int:
         return len(self.shape)
 
+    def nbytes(self) -> int:
+        """Size of a 1-D contiguous buffer (a workspace) in bytes."""
+        size = _ITEMSIZE.get(self.dtype) if self.dtype is not None else None
+        if size is None or len(self.shape) != 1 or (self.shape[0] > 1 and self.strides[0] != 1):
+            raise C.InvalidArgumentError(
+                "workspace must be a 1-D contiguous buffer (e.g. uint8), got dtype %s, shape %s, strides %s"
+                % (self.src_dtype, tuple(self.shape), tuple(self.strides)))
+        return int(self.shape[0]) * size
+
     def device_str(self) -> str:
         return "cpu" if self.device_type == C.DEVICE_CPU else "cuda:%d" % self.device_id
 
@@ -76,6 +85,7 @@ class View:
 
 
 _I64x4 = ctypes.c_int64 * C.MAX_DIMS
+_ITEMSIZE = {C.DTYPE_FLOAT16: 2, C.DTYPE_BFLOAT16: 2, C.DTYPE_FLOAT32: 4, C.DTYPE_UINT8: 1, C.DTYPE_INT32: 4}
 
 
 # ------------------------------------------------------------------ numpy

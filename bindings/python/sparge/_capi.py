@@ -11,6 +11,8 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import re
+import sys
 import threading
 from typing import List, Optional, Tuple
 
@@ -34,8 +36,32 @@ __all__ = [
     "PACKAGE_VERSION",
 ]
 
-#: The package version. The loaded library must have the same major.minor.
-PACKAGE_VERSION = (0, 1, 0)
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _package_version() -> Tuple[int, int, int]:
+    """The version CMake generated into the installed package (sparge/_version.py), or, in a
+    source checkout used through PYTHONPATH, the one project(sparge VERSION ...) states."""
+    try:
+        from ._version import VERSION  # type: ignore[import-not-found]
+
+        return tuple(VERSION)  # type: ignore[return-value]
+    except ImportError:
+        pass
+    cmake = os.path.join(_PKG_DIR, os.pardir, os.pardir, os.pardir, "CMakeLists.txt")
+    try:
+        with open(cmake, encoding="utf-8") as f:
+            m = re.search(r"project\(sparge VERSION ([0-9]+)\.([0-9]+)\.([0-9]+)", f.read())
+    except OSError:
+        m = None
+    if m is None:
+        raise ImportError("sparge: no generated sparge/_version.py and no CMakeLists.txt at %s; "
+                          "install the package with pip (it builds the library)" % os.path.normpath(cmake))
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+#: The package version (generated from CMake). The loaded library must have the same major.minor.
+PACKAGE_VERSION = _package_version()
 
 # ------------------------------------------------------------------ enums
 SPARGE_OK = 0
@@ -270,8 +296,19 @@ _PROTOTYPES = {
 
 
 # ------------------------------------------------------------------ loader
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SONAME = "libsparge.so.%d.%d" % PACKAGE_VERSION[:2]
+
+
+def _package_dirs() -> List[str]:
+    """This package's folders: its own, plus those of an editable install's package path (there
+    the built library lies in site-packages/sparge/_lib, the Python files in the checkout)."""
+    dirs = [_PKG_DIR]
+    pkg = sys.modules.get(__name__.rpartition(".")[0])
+    for d in getattr(pkg, "__path__", None) or []:
+        d = os.path.abspath(d)
+        if d not in dirs:
+            dirs.append(d)
+    return dirs
 
 
 def _candidates() -> List[Tuple[str, str]]:
@@ -280,7 +317,9 @@ def _candidates() -> List[Tuple[str, str]]:
     env = os.environ.get("SPARGE_LIBRARY")
     if env:
         out.append(("$SPARGE_LIBRARY", env))
-    own = sorted(glob.glob(os.path.join(_PKG_DIR, "_lib", "libsparge.so*")), key=len)
+    own = []
+    for d in _package_dirs():
+        own += [p for p in sorted(glob.glob(os.path.join(d, "_lib", "libsparge.so*")), key=len) if p not in own]
     if own:
         for p in own:
             out.append(("package copy", p))

@@ -50,9 +50,11 @@ def _arg_error(msg: str) -> C.InvalidArgumentError:
 
 
 def parse_layout(layout: str) -> int:
-    if layout not in LAYOUTS:
-        raise _arg_error("layout must be 'HND' ([B, H, L, D]) or 'NHD' ([B, L, H, D]), got %r" % (layout,))
-    return LAYOUTS[layout]
+    key = layout.upper() if isinstance(layout, str) else layout
+    if key not in LAYOUTS:
+        raise _arg_error("layout must be 'HND' ([B, H, L, D]) or 'NHD' ([B, L, H, D]), any case, got %r"
+                         % (layout,))
+    return LAYOUTS[key]
 
 
 def parse_mode(mode: str) -> int:
@@ -314,22 +316,66 @@ def check_mask(m: View, s: Shapes, plan: Plan, q: View) -> None:
         raise _arg_error("mask is on %s but q is on %s" % (m.device_str(), q.device_str()))
 
 
+def check_out(o: View, want: Tuple[int, ...], dtype: int, q: View, name: str = "out") -> None:
+    """A caller's output buffer: exact shape, dtype and device; unit stride on the last dim."""
+    if tuple(o.shape) != tuple(want):
+        raise _arg_error("%s must have shape %s, got %s" % (name, tuple(want), tuple(o.shape)))
+    if o.dtype != dtype:
+        raise _arg_error("%s has dtype %s; expected %s" % (name, o.src_dtype, dtype_name(dtype)))
+    if (o.device_type, o.device_id) != (q.device_type, q.device_id):
+        raise _arg_error("%s is on %s but q is on %s" % (name, o.device_str(), q.device_str()))
+    if o.ndim and o.strides[-1] != 1 and o.shape[-1] > 1:
+        raise _arg_error("%s must have unit stride on its last dimension, got strides %s" % (name, o.strides))
+
+
+def _workspace(alloc: Any, plan: Plan, q: View, stream: int, workspace: Optional[View]) -> Tuple[int, int, Any]:
+    """(pointer, bytes, owner): the caller's buffer, else the allocator's cached one."""
+    if workspace is None:
+        ws, ws_obj = alloc.workspace(plan.workspace_bytes, q, stream)
+        return ws, plan.workspace_bytes, ws_obj
+    if (workspace.device_type, workspace.device_id) != (q.device_type, q.device_id):
+        raise _arg_error("workspace is on %s but q is on %s" % (workspace.device_str(), q.device_str()))
+    nbytes = workspace.nbytes()
+    if nbytes < plan.workspace_bytes:
+        raise C.WorkspaceTooSmallError("workspace has %d bytes; this plan needs %d (Plan.workspace_size)"
+                                       % (nbytes, plan.workspace_bytes))
+    return workspace.ptr, nbytes, workspace
+
+
+def _check_plan(plan: Optional[Plan], s: Shapes, q: View, opts: Options) -> Plan:
+    """The cached plan for this problem, or the caller's plan after checking it fits."""
+    if plan is None:
+        return get_plan(s, q, opts)
+    key = plan_key(s, q, opts)
+    if key[:9] != plan.key[:9]:
+        names = ("B", "Hq", "Hkv", "Lq", "Lkv", "D", "dtype", "device_type", "device_id")
+        diff = ["%s %s (plan: %s)" % (n, a, b) for n, a, b in zip(names, key, plan.key) if a != b]
+        raise _arg_error("the inputs do not match the plan: " + ", ".join(diff))
+    return plan
+
+
 def predict(alloc: Any, q: View, k: View, s: Shapes, opts: Options, stream: int,
             topk_h: Any = None, cdf_h: Any = None, sim_h: Any = None, want_kept: bool = False,
-            plan: Optional[Plan] = None) -> Tuple[Any, Optional[Any], Plan]:
-    """Runs sparge_predict_mask; returns (mask, kept or None, plan)."""
-    plan = plan or get_plan(s, q, opts)
-    mask, mv = alloc.empty((s.B, s.Hq, plan.nqb, plan.nkb), "uint8", q)
+            plan: Optional[Plan] = None, workspace: Optional[View] = None,
+            out: Optional[Tuple[Any, View]] = None) -> Tuple[Any, Optional[Any], Plan]:
+    """Runs sparge_predict_mask; returns (mask, kept or None, plan). ``out``: (object, view) of a
+    caller's uint8 mask buffer."""
+    plan = _check_plan(plan, s, q, opts)
+    if out is not None:
+        check_out(out[1], (s.B, s.Hq, plan.nqb, plan.nkb), C.DTYPE_UINT8, q)
+        mask, mv = out
+    else:
+        mask, mv = alloc.empty((s.B, s.Hq, plan.nqb, plan.nkb), "uint8", q)
     kept, kv_ = (alloc.empty((s.B, s.Hq), "int32", q) if want_kept else (None, None))
     params, keep = _params(opts, alloc, q, s.Hq, topk_h, cdf_h, sim_h)
-    ws, ws_obj = alloc.workspace(plan.workspace_bytes, q, stream)
+    ws, ws_bytes, ws_obj = _workspace(alloc, plan, q, stream, workspace)
     perm = PERM[opts.layout]
     qd, kd = q.descriptor(perm), k.descriptor(perm)
     md = mv.descriptor()
     kd_ = kv_.descriptor() if kv_ is not None else None
     st = C.lib.sparge_predict_mask(plan.handle, ctypes.byref(qd), ctypes.byref(kd), ctypes.byref(params),
                                    ctypes.byref(md), ctypes.byref(kd_) if kd_ is not None else None,
-                                   ws, plan.workspace_bytes, stream or None)
+                                   ws, ws_bytes, stream or None)
     del keep, ws_obj
     C.check(st, "sparge_predict_mask")
     return mask, kept, plan
@@ -337,26 +383,34 @@ def predict(alloc: Any, q: View, k: View, s: Shapes, opts: Options, stream: int,
 
 def attention(alloc: Any, q: View, k: View, v: View, s: Shapes, opts: Options, stream: int,
               mask: Optional[View] = None, topk_h: Any = None, cdf_h: Any = None, sim_h: Any = None,
-              want_lse: bool = False, want_kept: bool = False
+              want_lse: bool = False, want_kept: bool = False, plan: Optional[Plan] = None,
+              workspace: Optional[View] = None, out: Optional[Tuple[Any, View]] = None
               ) -> Tuple[Any, Optional[Any], Optional[Any], Plan]:
     """Runs sparge_attention_run; returns (out, lse or None, kept or None, plan).
 
     With ``want_kept`` (and no mask) the mask is predicted first by
-    sparge_predict_mask so the kept-block counts are available.
+    sparge_predict_mask so the kept-block counts are available. ``plan``: a plan made for
+    this problem (default: the cached one); ``workspace``: a view of the caller's buffer
+    (default: the allocator's cached one); ``out``: (object, view) of the caller's output.
     """
-    plan = get_plan(s, q, opts)
+    plan = _check_plan(plan, s, q, opts)
     kept = None
     mask_keep = None
     if mask is None and want_kept:
-        mask_obj, kept, _ = predict(alloc, q, k, s, opts, stream, topk_h, cdf_h, sim_h, True, plan)
+        mask_obj, kept, _ = predict(alloc, q, k, s, opts, stream, topk_h, cdf_h, sim_h, True, plan,
+                                    workspace=workspace)
         mask_keep = mask_obj
         mask = as_view(mask_obj, "mask")
     if mask is not None:
         check_mask(mask, s, plan, q)
-    out, ov = alloc.empty(out_shape(s, opts.layout), dtype_name(q.dtype), q)
+    if out is not None:
+        check_out(out[1], out_shape(s, opts.layout), q.dtype, q)
+        out, ov = out
+    else:
+        out, ov = alloc.empty(out_shape(s, opts.layout), dtype_name(q.dtype), q)
     lse, lv = (alloc.empty((s.B, s.Hq, s.Lq), "float32", q) if want_lse else (None, None))
     params, keep = _params(opts, alloc, q, s.Hq, topk_h, cdf_h, sim_h)
-    ws, ws_obj = alloc.workspace(plan.workspace_bytes, q, stream)
+    ws, ws_bytes, ws_obj = _workspace(alloc, plan, q, stream, workspace)
     perm = PERM[opts.layout]
     qd, kd, vd, od = q.descriptor(perm), k.descriptor(perm), v.descriptor(perm), ov.descriptor(perm)
     md = mask.descriptor() if mask is not None else None
@@ -364,7 +418,7 @@ def attention(alloc: Any, q: View, k: View, v: View, s: Shapes, opts: Options, s
     st = C.lib.sparge_attention_run(plan.handle, ctypes.byref(qd), ctypes.byref(kd), ctypes.byref(vd),
                                     ctypes.byref(md) if md is not None else None, ctypes.byref(params),
                                     ctypes.byref(od), ctypes.byref(ld) if ld is not None else None,
-                                    ws, plan.workspace_bytes, stream or None)
+                                    ws, ws_bytes, stream or None)
     del keep, ws_obj, mask_keep
     C.check(st, "sparge_attention_run")
     return out, lse, kept, plan

@@ -54,17 +54,21 @@ def _on_device(q: Tensor, fn: Any) -> Any:
 
 
 def run_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], heads: Tuple[Any, Any, Any],
-                  opts: core.Options, want_lse: bool, want_kept: bool) -> Tuple[Tensor, Any, Any]:
-    """The library call on torch tensors: (out, lse or None, kept or None)."""
+                  opts: core.Options, want_lse: bool, want_kept: bool, out: Optional[Tensor] = None,
+                  plan: Any = None, workspace: Any = None) -> Tuple[Tensor, Any, Any]:
+    """The library call on torch tensors: (out, lse or None, kept or None). ``out``: write into
+    this tensor; ``plan``/``workspace``: a caller's plan (core.Plan) and workspace view."""
     qv, kv, vv = torch_view(q), torch_view(k), torch_view(v)
     s = core.check_qkv(qv, kv, vv, opts.layout)
     mv = torch_view(mask) if mask is not None else None
+    ov = (out, torch_view(out)) if out is not None else None
 
     def call(stream: int) -> Tuple[Tensor, Any, Any]:
-        out, lse, kept, _ = core.attention(
+        res, lse, kept, _ = core.attention(
             torch_allocator(), qv, kv, vv, s, opts, stream, mask=mv, topk_h=heads[0], cdf_h=heads[1],
-            sim_h=heads[2], want_lse=want_lse, want_kept=want_kept and mask is None)
-        return out, lse, kept
+            sim_h=heads[2], want_lse=want_lse, want_kept=want_kept and mask is None, plan=plan,
+            workspace=workspace, out=ov)
+        return res, lse, kept
 
     return _on_device(q, call)
 
@@ -97,6 +101,18 @@ def attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     lse = q.new_empty((B, Hq, Lq) if want_lse else (0,), dtype=torch.float32)
     kept = q.new_empty((B, Hq) if (want_kept and mask is None) else (0,), dtype=torch.int32)
     return out, lse, kept
+
+
+def run_predict(q: Tensor, qv: Any, kv: Any, s: core.Shapes, opts: core.Options, heads: Tuple[Any, Any, Any],
+                plan: Any, workspace: Any, out: Any) -> Tuple[Tensor, Tensor]:
+    """sparge_predict_mask on torch tensors with a caller's plan, workspace or output."""
+
+    def call(stream: int) -> Tuple[Tensor, Tensor]:
+        mask, kept, _ = core.predict(torch_allocator(), qv, kv, s, opts, stream, heads[0], heads[1], heads[2],
+                                     want_kept=True, plan=plan, workspace=workspace, out=out)
+        return mask, kept
+
+    return _on_device(q, call)
 
 
 def predict_impl(q: Tensor, k: Tensor,
@@ -161,4 +177,4 @@ def eager_direct_ok(*tensors: Any) -> bool:
             return False
     return True
 
-__all__ = ["attention_call", "predict_call", "run_attention", "eager_direct_ok", "HAS_CUSTOM_OP", "C"]
+__all__ = ["attention_call", "predict_call", "run_attention", "run_predict", "eager_direct_ok", "HAS_CUSTOM_OP", "C"]

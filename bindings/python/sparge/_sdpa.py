@@ -1,0 +1,103 @@
+"""``sparge.sdpa``: ``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _capi as C
+from ._api import PerHead, _attention, _is_torch, _resolve
+
+
+def _unsqueeze_heads(x: Any) -> Any:
+    return x.unsqueeze(1) if _is_torch(x) else x[:, None]
+
+
+def _empty_like(q: Any) -> Any:
+    if _is_torch(q):
+        return q.new_empty(q.shape)
+    if isinstance(q, np.ndarray):
+        return np.empty(q.shape, dtype=q.dtype)
+    return None  # other frameworks: let the library allocate (no split needed there)
+
+
+def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, dropout_p: float = 0.0,
+         is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
+         topk: PerHead = 0.5, mode: str = "topk", cdf_threshold: Optional[PerHead] = None,
+         sim_threshold: PerHead = -0.1, smooth_k: bool = True, attention_sink: bool = False,
+         precision: str = "int8_fp8", block_size: Tuple[int, int] = (128, 64), out: Optional[Any] = None,
+         stream: Optional[int] = None) -> Any:
+    """Block-sparse attention with the signature and semantics of
+    ``torch.nn.functional.scaled_dot_product_attention``.
+
+    ``query`` is ``[B, Hq, L, E]`` (or ``[B, L, E]``), ``key``/``value`` ``[B, Hkv, S, E]``; torch
+    tensors (CPU or CUDA), numpy arrays (CPU backend) or DLPack / CUDA-array-interface arrays.
+    Semantics as in torch:
+
+    - ``is_causal``: the top-left aligned causal rule of torch (query i sees key j iff ``j <= i``).
+      For ``L == S`` this is the library's rule; for ``L < S`` keys ``S..`` that no query sees are
+      dropped; for ``L > S`` queries ``0..S-1`` run causal and queries ``S..`` see every key (two
+      library calls writing into one output).
+    - ``scale``: default ``1/sqrt(E)``.
+    - ``enable_gqa``: ``Hq != Hkv`` (with ``Hq % Hkv == 0``) only when True, as in torch.
+    - ``attn_mask``: dense masks are not supported by the library; any non-None value raises
+      :class:`UnsupportedError` (use ``is_causal`` or a block ``mask`` with
+      :func:`sparge.attention`). ``dropout_p > 0`` raises :class:`UnsupportedError` (inference only).
+    - value's head dim must equal query's (``Ev == E``).
+
+    The keywords after ``*`` are :func:`sparge.attention`'s sparsity options (``topk=1.0`` keeps
+    every block); ``out`` receives the result (query's shape, dtype and device).
+    """
+    if attn_mask is not None:
+        raise C.UnsupportedError(
+            "attn_mask: dense attention masks are not supported by libsparge; pass attn_mask=None "
+            "(with is_causal=True for causal attention) or give a block mask to sparge.attention(mask=...)")
+    if dropout_p != 0.0:
+        raise C.UnsupportedError("dropout_p=%r: dropout is not supported (inference only); pass dropout_p=0.0"
+                                 % (dropout_p,))
+    nd = len(query.shape)
+    if nd not in (3, 4):
+        raise C.InvalidArgumentError("query must be [B, H, L, E] or [B, L, E], got shape %s" % (tuple(query.shape),))
+    for name, t in (("key", key), ("value", value)) + ((("out", out),) if out is not None else ()):
+        if len(t.shape) != nd:
+            raise C.InvalidArgumentError("%s has %d dims but query has %d" % (name, len(t.shape), nd))
+    if nd == 3:
+        q4, k4, v4 = _unsqueeze_heads(query), _unsqueeze_heads(key), _unsqueeze_heads(value)
+        o4 = _unsqueeze_heads(out) if out is not None else None
+    else:
+        q4, k4, v4, o4 = query, key, value, out
+    Hq, Hkv = int(q4.shape[1]), int(k4.shape[1])
+    if Hq != Hkv and not enable_gqa:
+        raise C.InvalidArgumentError("query has %d heads but key has %d: pass enable_gqa=True for grouped-query "
+                                     "attention (as torch's scaled_dot_product_attention requires)" % (Hq, Hkv))
+    if int(v4.shape[-1]) != int(q4.shape[-1]):
+        raise C.UnsupportedError("value has head dim %d but query has %d: libsparge needs Ev == E"
+                                 % (int(v4.shape[-1]), int(q4.shape[-1])))
+    if int(v4.shape[2]) != int(k4.shape[2]):
+        raise C.InvalidArgumentError("value has %d keys but key has %d" % (int(v4.shape[2]), int(k4.shape[2])))
+    L, S = int(q4.shape[2]), int(k4.shape[2])
+    causal = bool(is_causal)
+
+    def resolved(c: bool) -> Any:
+        return _resolve(topk=topk, is_causal=c, scale=scale, layout="HND", mode=mode, cdf_threshold=cdf_threshold,
+                        sim_threshold=sim_threshold, smooth_k=smooth_k, attention_sink=attention_sink,
+                        precision=precision, block_size=block_size)
+
+    if not causal or L == S or S == 0:
+        res = _attention(q4, k4, v4, resolved(causal and S > 0), None, o4, False, False, stream)
+    elif L < S:
+        # Top-left rule: query i sees keys 0..i <= L-1; keys L.. are never seen.
+        res = _attention(q4, k4[:, :, :L], v4[:, :, :L], resolved(True), None, o4, False, False, stream)
+    else:
+        # L > S: queries 0..S-1 causal over all S keys, queries S..L-1 see every key.
+        res = o4 if o4 is not None else _empty_like(q4)
+        if res is None:
+            raise C.UnsupportedError("is_causal with more queries than keys needs torch or numpy inputs (or out=)")
+        _attention(q4[:, :, :S], k4, v4, resolved(True), None, res[:, :, :S], False, False, stream)
+        _attention(q4[:, :, S:], k4, v4, resolved(False), None, res[:, :, S:], False, False, stream)
+    if out is not None:
+        return out
+    if nd == 3:
+        return res[:, 0]
+    return res
