@@ -30,6 +30,7 @@ from ._capi import (
     library_path,
 )
 from ._api import attention, block_sparse_attention, predict_mask, visible_key_blocks
+from .merge import merge_states
 from . import compat
 from .compat import (
     block_sparse_sage2_attn_cuda,
@@ -46,6 +47,7 @@ __all__ = [
     "predict_mask",
     "block_sparse_attention",
     "visible_key_blocks",
+    "merge_states",
     "library_version",
     "library_path",
     "has_cuda",

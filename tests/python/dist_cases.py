@@ -1,0 +1,123 @@
+"""Cases of the sequence-parallel tests and the comparison with one process (shared by the CPU
+gloo test and the GPU snippet)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cases(world, seed, precisions=("exact", "fp16"), dtype="float32"):
+    """Both methods, causal (zig-zag) and not, GQA, top-k / CDF / sim_threshold + sink, a given
+    mask, per-head top-k, both layouts."""
+    blk = [128, 64] if world == 2 else [64, 64]
+    N = 512
+    out = []
+    i = 0
+    for method in ("ulysses", "ring"):
+        for causal in (False, True):
+            for prec in precisions:
+                i += 1
+                out.append(dict(name="%s-c%d-%s" % (method, causal, prec), method=method, causal=causal,
+                                B=1, Hq=4, Hkv=2, N=N, D=32, seed=seed + i, dtype=dtype,
+                                kw=dict(precision=prec, topk=0.4, block_size=blk)))
+        i += 1
+        out.append(dict(name="%s-cdf-nhd" % method, method=method, causal=True, layout="NHD", B=2, Hq=4,
+                        Hkv=1, N=N, D=16, seed=seed + i, dtype=dtype,
+                        kw=dict(precision=precisions[0], mode="cdf", cdf_threshold=0.6, block_size=blk)))
+        i += 1
+        out.append(dict(name="%s-sim-sink" % method, method=method, causal=False, B=1, Hq=4, Hkv=4, N=N,
+                        D=32, seed=seed + i, dtype=dtype,
+                        kw=dict(precision=precisions[0], topk=0.3, sim_threshold=0.45, attention_sink=True,
+                                smooth_k=False, block_size=blk)))
+        i += 1
+        out.append(dict(name="%s-given-mask" % method, method=method, causal=True, B=1, Hq=4, Hkv=2, N=N,
+                        D=32, seed=seed + i, dtype=dtype, given_mask=True,
+                        kw=dict(precision=precisions[0], topk=0.5, block_size=blk)))
+        i += 1
+        out.append(dict(name="%s-perhead-contig" % method, method=method, causal=True, zigzag=False, B=1,
+                        Hq=4, Hkv=2, N=N, D=32, seed=seed + i, dtype=dtype,
+                        topk_per_head=[0.2, 0.4, 0.6, 0.8],
+                        kw=dict(precision=precisions[0], block_size=blk)))
+    return out
+
+
+def run_ranks(world, case_list, device="cpu", timeout=600):
+    """Runs dist_worker.py in `world` processes; returns {case: [per-rank dict]}."""
+    import torch
+
+    tmp = tempfile.mkdtemp(prefix="sparge-dist-")
+    cj = os.path.join(tmp, "cases.json")
+    with open(cj, "w") as f:
+        json.dump(case_list, f)
+    store = os.path.join(tmp, "store")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), str(r), str(world), store, cj,
+                               tmp, device], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(out.decode("utf-8", "replace"))
+    for r, p in enumerate(procs):
+        if p.returncode != 0:
+            raise RuntimeError("rank %d exited %d:\n%s" % (r, p.returncode, logs[r][-4000:]))
+    res = {}
+    for c in case_list:
+        res[c["name"]] = [torch.load(os.path.join(tmp, "%s-%d.pt" % (c["name"], r))) for r in range(world)]
+    return res
+
+
+def reference(case, device="cpu"):
+    """One process: (out, lse, mask) over the global sequence, natural order, HND."""
+    sys.path.insert(0, HERE)
+    import torch
+
+    import sparge
+    from dist_worker import global_inputs
+
+    q, k, v = global_inputs(case, device)
+    kw = dict(case.get("kw", {}))
+    if "block_size" in kw:
+        kw["block_size"] = tuple(kw["block_size"])
+    if "topk_per_head" in case:
+        kw["topk"] = case["topk_per_head"]
+    mask = sparge.predict_mask(q, k, is_causal=case["causal"], **kw)
+    out, lse = sparge.attention(q, k, v, is_causal=case["causal"], mask=mask, return_lse=True,
+                                precision=kw["precision"], block_size=kw.get("block_size", (128, 64)))
+    return out.cpu(), lse.cpu(), mask.cpu()
+
+
+def compare(case, shards, world):
+    """(mask_equal, max |out - ref| / max |ref|, max |lse - ref|) of the gathered shards vs one process."""
+    import torch
+
+    from sparge import distributed as sd
+
+    ref_out, ref_lse, ref_mask = reference(case, "cpu" if shards[0]["out"].device.type == "cpu" else "cuda")
+    causal = case["causal"]
+    zig = case.get("zigzag", causal)
+    layout = case.get("layout", "HND")
+    outs = [s["out"] if layout == "HND" else s["out"].transpose(1, 2) for s in shards]
+    out = sd.unshard_sequence(outs, dim=2, zigzag=zig)
+    lse = sd.unshard_sequence([s["lse"] for s in shards], dim=2, zigzag=zig)
+    if case["method"] == "ulysses":
+        mask = torch.cat([s["mask"] for s in shards], dim=1)        # head shards
+    else:
+        mask = sd.unshard_sequence([s["mask"] for s in shards], dim=2, zigzag=zig)  # query-block rows
+    same_mask = bool(torch.equal(mask.to(torch.uint8), ref_mask.to(torch.uint8)))
+    scale = ref_out.abs().max().item()
+    err = (out.float() - ref_out.float()).abs().max().item() / scale
+    fin = torch.isfinite(ref_lse)
+    lse_ok = bool(torch.equal(fin, torch.isfinite(lse)))
+    lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+    return same_mask, err, lse_err if lse_ok else float("inf")
