@@ -40,8 +40,13 @@ def cases(world, seed, precisions=("exact", "fp16"), dtype="float32"):
         i += 1
         out.append(dict(name="%s-perhead-contig" % method, method=method, causal=True, zigzag=False, B=1,
                         Hq=4, Hkv=2, N=N, D=32, seed=seed + i, dtype=dtype,
-                        topk_per_head=[0.2, 0.4, 0.6, 0.8],
+                        topk_per_head=[0.2, 0.4, 0.6, 0.8], gather_bytes=1,
                         kw=dict(precision=precisions[0], block_size=blk)))
+        for causal in (False, True):
+            i += 1
+            out.append(dict(name="%s-c%d-int8-bf16" % (method, causal), method=method, causal=causal, B=1, Hq=4,
+                            Hkv=2, N=N, D=64, seed=seed + i, dtype="bfloat16", gather_bytes=1 if causal else 1 << 30,
+                            kw=dict(precision="int8_fp8", topk=0.5, block_size=blk)))
     return out
 
 
@@ -97,8 +102,34 @@ def reference(case, device="cpu"):
     return out.cpu(), lse.cpu(), mask.cpu()
 
 
+def quantization_errors(case, out):
+    """(relative L1 of `out`, relative L1 of one process) against float64 attention on the same
+    mask: for the int8 precisions, whose rounding depends on how K/V are split."""
+    import torch
+
+    import sparge
+    from dist_worker import global_inputs
+
+    ref_out, _, ref_mask = reference(case, "cpu")
+    q, k, v = (t.float() for t in global_inputs(case, "cpu"))
+    exact = sparge.attention(q, k, v, is_causal=case["causal"], mask=ref_mask, precision="exact",
+                             block_size=tuple(case["kw"].get("block_size", (128, 64))))
+    den = exact.abs().sum().item()
+    return ((out.float() - exact).abs().sum().item() / den, (ref_out.float() - exact).abs().sum().item() / den)
+
+
+def gathered_out(case, shards):
+    from sparge import distributed as sd
+
+    zig = case.get("zigzag", case["causal"])
+    layout = case.get("layout", "HND")
+    outs = [s["out"] if layout == "HND" else s["out"].transpose(1, 2) for s in shards]
+    return sd.unshard_sequence(outs, dim=2, zigzag=zig)
+
+
 def compare(case, shards, world):
-    """(mask_equal, max |out - ref| / max |ref|, max |lse - ref|) of the gathered shards vs one process."""
+    """(mask_equal, max |out - ref| / max |ref|, max |lse - ref|, relative L1) of the gathered shards
+    vs one process."""
     import torch
 
     from sparge import distributed as sd
@@ -116,8 +147,10 @@ def compare(case, shards, world):
         mask = sd.unshard_sequence([s["mask"] for s in shards], dim=2, zigzag=zig)  # query-block rows
     same_mask = bool(torch.equal(mask.to(torch.uint8), ref_mask.to(torch.uint8)))
     scale = ref_out.abs().max().item()
-    err = (out.float() - ref_out.float()).abs().max().item() / scale
+    diff = (out.float() - ref_out.float()).abs()
+    err = diff.max().item() / scale
+    rel_l1 = diff.sum().item() / max(ref_out.float().abs().sum().item(), 1e-30)
     fin = torch.isfinite(ref_lse)
     lse_ok = bool(torch.equal(fin, torch.isfinite(lse)))
     lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
-    return same_mask, err, lse_err if lse_ok else float("inf")
+    return same_mask, err, (lse_err if lse_ok else float("inf")), rel_l1

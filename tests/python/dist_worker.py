@@ -58,6 +58,7 @@ def main():
         if case.get("given_mask"):
             kw["mask"] = sparge.predict_mask(q, k, is_causal=causal, layout=layout,
                                              **{x: kw[x] for x in kw if x != "mask"})
+        sd.PREDICT_GATHER_BYTES = int(case.get("gather_bytes", 1 << 30))  # small: head-chunked prediction
         fn = sd.ulysses_attention if case["method"] == "ulysses" else sd.ring_attention
         out, lse, mask = fn(ql, kl, vl, None, is_causal=causal, zigzag=zig, layout=layout,
                             return_lse=True, return_mask=True, **kw)

@@ -365,6 +365,49 @@ def _all_gather_seq(x: Any, world: int, group: Any) -> Any:
     return torch.cat(parts, dim=2)
 
 
+#: Bytes of all-gathered Q and K that one prediction call may hold; larger problems predict the
+#: mask a few K/V heads (with their query heads) at a time. The mask of a head depends on that
+#: head only, so the result is the same.
+PREDICT_GATHER_BYTES = 1 << 30
+
+
+def _global_mask_rows(qh: Any, kh: Any, world: int, group: Any, zig: bool, causal: bool, mine: List[int],
+                      qb_per: int, kw: Dict[str, Any]) -> Any:
+    """Rows of the global block mask for this rank's query blocks (shard order).
+
+    Non-causal: this rank's queries against all of K (a query block's row depends on that block
+    and on all of K only). Causal: all of Q and all of K, as one GPU would see them."""
+    torch = _torch()
+    B, Hq, S, D = qh.shape
+    Hkv = kh.shape[1]
+    G = Hq // Hkv
+    per_kv_head = world * S * D * qh.element_size() * (1 + (G if causal else 0)) * B
+    step = max(1, min(Hkv, PREDICT_GATHER_BYTES // max(1, per_kv_head)))
+    to_nat = _natural_index(world, zig, S, qh.device)[0] if zig else None
+    parts = []
+    for k0 in range(0, Hkv, step):
+        k1 = min(Hkv, k0 + step)
+        h0, h1 = k0 * G, k1 * G
+        sub_kw = dict(kw)
+        for key in ("topk", "cdf_threshold", "sim_threshold"):
+            sub_kw[key] = _slice_heads(kw[key], h0, h1)
+        kfull = _all_gather_seq(kh[:, k0:k1], world, group)
+        if zig:
+            kfull = kfull.index_select(2, to_nat)
+        if causal:
+            qfull = _all_gather_seq(qh[:, h0:h1], world, group)
+            if zig:
+                qfull = qfull.index_select(2, to_nat)
+            mfull = predict_mask(qfull, kfull, is_causal=True, **sub_kw)
+            del qfull
+            parts.append(torch.cat([mfull[:, :, g * qb_per:(g + 1) * qb_per] for g in mine], dim=2))
+            del mfull
+        else:
+            parts.append(predict_mask(qh[:, h0:h1], kfull, is_causal=False, **sub_kw))
+        del kfull
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool = False,
                    zigzag: Optional[bool] = None, layout: str = "HND", mask: Any = None,
                    topk: Any = 0.5, mode: str = "topk", cdf_threshold: Any = None, sim_threshold: Any = -0.1,
@@ -437,22 +480,7 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
     if mask is not None:
         rows = torch.cat([mask[:, :, g * qb_per:(g + 1) * qb_per] for g in mine], dim=2)
     else:
-        to_nat = _natural_index(world, zig, S, q.device)[0] if zig else None
-        kfull = _all_gather_seq(kh, world, group)
-        if zig:
-            kfull = kfull.index_select(2, to_nat)
-        if is_causal:
-            qfull = _all_gather_seq(qh, world, group)
-            if zig:
-                qfull = qfull.index_select(2, to_nat)
-            mfull = predict_mask(qfull, kfull, is_causal=True, **kw)
-            del qfull
-            rows = torch.cat([mfull[:, :, g * qb_per:(g + 1) * qb_per] for g in mine], dim=2)
-            del mfull
-        else:
-            # Each query block's row depends on that block and on all of K only.
-            rows = predict_mask(qh, kfull, is_causal=False, **kw)
-        del kfull
+        rows = _global_mask_rows(qh, kh, world, group, zig, is_causal, mine, qb_per, kw)
     rows = rows.contiguous()
 
     # ---- the ring
