@@ -10,11 +10,12 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def cases(world, seed, precisions=("exact", "fp16"), dtype="float32"):
+def cases(world, seed, precisions=("exact", "fp16"), dtype="float32", dims=(32, 16), gpu=False):
     """Both methods, causal (zig-zag) and not, GQA, top-k / CDF / sim_threshold + sink, a given
-    mask, per-head top-k, both layouts."""
-    blk = [128, 64] if world == 2 else [64, 64]
-    N = 512
+    mask, per-head top-k, both layouts, head-chunked prediction, int8_fp8 on bf16.
+    gpu: the CUDA backend's mask blocks (128, 64) and head dims (pass dims=(128, 64))."""
+    blk = [128, 64] if world == 2 or gpu else [64, 64]
+    N = 512 if not gpu else 256 * world
     out = []
     i = 0
     for method in ("ulysses", "ring"):
@@ -22,24 +23,24 @@ def cases(world, seed, precisions=("exact", "fp16"), dtype="float32"):
             for prec in precisions:
                 i += 1
                 out.append(dict(name="%s-c%d-%s" % (method, causal, prec), method=method, causal=causal,
-                                B=1, Hq=4, Hkv=2, N=N, D=32, seed=seed + i, dtype=dtype,
+                                B=1, Hq=4, Hkv=2, N=N, D=dims[0], seed=seed + i, dtype=dtype,
                                 kw=dict(precision=prec, topk=0.4, block_size=blk)))
         i += 1
         out.append(dict(name="%s-cdf-nhd" % method, method=method, causal=True, layout="NHD", B=2, Hq=4,
-                        Hkv=1, N=N, D=16, seed=seed + i, dtype=dtype,
+                        Hkv=1, N=N, D=dims[1], seed=seed + i, dtype=dtype,
                         kw=dict(precision=precisions[0], mode="cdf", cdf_threshold=0.6, block_size=blk)))
         i += 1
         out.append(dict(name="%s-sim-sink" % method, method=method, causal=False, B=1, Hq=4, Hkv=4, N=N,
-                        D=32, seed=seed + i, dtype=dtype,
+                        D=dims[0], seed=seed + i, dtype=dtype,
                         kw=dict(precision=precisions[0], topk=0.3, sim_threshold=0.45, attention_sink=True,
                                 smooth_k=False, block_size=blk)))
         i += 1
         out.append(dict(name="%s-given-mask" % method, method=method, causal=True, B=1, Hq=4, Hkv=2, N=N,
-                        D=32, seed=seed + i, dtype=dtype, given_mask=True,
+                        D=dims[0], seed=seed + i, dtype=dtype, given_mask=True,
                         kw=dict(precision=precisions[0], topk=0.5, block_size=blk)))
         i += 1
         out.append(dict(name="%s-perhead-contig" % method, method=method, causal=True, zigzag=False, B=1,
-                        Hq=4, Hkv=2, N=N, D=32, seed=seed + i, dtype=dtype,
+                        Hq=4, Hkv=2, N=N, D=dims[0], seed=seed + i, dtype=dtype,
                         topk_per_head=[0.2, 0.4, 0.6, 0.8], gather_bytes=1,
                         kw=dict(precision=precisions[0], block_size=blk)))
         for causal in (False, True):
@@ -102,7 +103,7 @@ def reference(case, device="cpu"):
     return out.cpu(), lse.cpu(), mask.cpu()
 
 
-def quantization_errors(case, out):
+def quantization_errors(case, out, device="cpu"):
     """(relative L1 of `out`, relative L1 of one process) against float64 attention on the same
     mask: for the int8 precisions, whose rounding depends on how K/V are split."""
     import torch
@@ -110,7 +111,7 @@ def quantization_errors(case, out):
     import sparge
     from dist_worker import global_inputs
 
-    ref_out, _, ref_mask = reference(case, "cpu")
+    ref_out, _, ref_mask = reference(case, device)
     q, k, v = (t.float() for t in global_inputs(case, "cpu"))
     exact = sparge.attention(q, k, v, is_causal=case["causal"], mask=ref_mask, precision="exact",
                              block_size=tuple(case["kw"].get("block_size", (128, 64))))
@@ -127,14 +128,14 @@ def gathered_out(case, shards):
     return sd.unshard_sequence(outs, dim=2, zigzag=zig)
 
 
-def compare(case, shards, world):
+def compare(case, shards, world, device="cpu"):
     """(mask_equal, max |out - ref| / max |ref|, max |lse - ref|, relative L1) of the gathered shards
     vs one process."""
     import torch
 
     from sparge import distributed as sd
 
-    ref_out, ref_lse, ref_mask = reference(case, "cpu" if shards[0]["out"].device.type == "cpu" else "cuda")
+    ref_out, ref_lse, ref_mask = reference(case, device)
     causal = case["causal"]
     zig = case.get("zigzag", causal)
     layout = case.get("layout", "HND")
@@ -154,3 +155,28 @@ def compare(case, shards, world):
     lse_ok = bool(torch.equal(fin, torch.isfinite(lse)))
     lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
     return same_mask, err, (lse_err if lse_ok else float("inf")), rel_l1
+
+
+def judge(case, shards, world, device="cpu"):
+    """(ok, report line): the same mask as one process, and outputs within what the method allows.
+
+    Ulysses runs the very same calls as one process: the same bits. Ring merges partial outputs:
+    float32 rounding (exact; fp16 on float32 CPU inputs), the 16-bit rounding of P over other
+    softmax steps (fp16 on 16-bit inputs), or, int8_fp8, each K/V shard quantized on its own,
+    judged against float64 (its error no larger than one process's)."""
+    same_mask, err, lse_err, rel_l1 = compare(case, shards, world, device)
+    line = "%-24s mask %s  out rel.max %.2e  rel.L1 %.2e  lse max %.2e" % (case["name"], same_mask, err, rel_l1,
+                                                                           lse_err)
+    prec = case["kw"]["precision"]
+    ok = same_mask
+    if case["method"] == "ulysses":
+        ok = ok and err == 0.0 and lse_err == 0.0
+    elif prec == "int8_fp8":
+        mine, one = quantization_errors(case, gathered_out(case, shards), device)
+        line += "  vs f64: rel.L1 %.4f (one process %.4f)" % (mine, one)
+        ok = ok and mine <= 1.25 * one + 0.005 and lse_err <= 0.1
+    elif case.get("dtype", "float32") == "float32":
+        ok = ok and err <= (2e-6 if prec == "exact" else 1e-5) and lse_err <= 1e-5
+    else:
+        ok = ok and rel_l1 <= 5e-3 and lse_err <= 1e-3
+    return ok, line

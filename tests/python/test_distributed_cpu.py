@@ -151,27 +151,11 @@ def test_sequence_parallel_matches_one_process(world, rng):
     seed = int(rng.integers(1 << 30))
     cases = dist_cases.cases(world, seed)
     results = dist_cases.run_ranks(world, cases)
-    report = []
-    failures = []
+    report, failures = [], []
     for c in cases:
-        same_mask, err, lse_err, rel_l1 = dist_cases.compare(c, results[c["name"]], world)
-        report.append("%-24s mask %s  out rel.max %.2e  rel.L1 %.2e  lse max %.2e"
-                      % (c["name"], same_mask, err, rel_l1, lse_err))
-        prec = c["kw"]["precision"]
-        # Ulysses runs the very same calls as one process: the same bits. Ring merges partial
-        # outputs: fp32 rounding (exact, fp16 on fp32 inputs: P rounded per step as one process
-        # does, over other steps), or, int8_fp8, each K/V shard quantized on its own.
-        if c["method"] == "ulysses":
-            tol, lse_tol = 0.0, 0.0
-        elif prec == "int8_fp8":  # each K/V shard quantized on its own: judged against float64
-            tol, lse_tol = float("inf"), 0.1
-            mine, one = dist_cases.quantization_errors(c, dist_cases.gathered_out(c, results[c["name"]]))
-            report[-1] += "  vs f64: rel.L1 %.4f (one process %.4f)" % (mine, one)
-            if mine > 1.25 * one + 0.005:
-                failures.append(report[-1])
-        else:
-            tol, lse_tol = (2e-6 if prec == "exact" else 1e-5), 1e-5
-        if not same_mask or err > tol or lse_err > lse_tol:
-            failures.append(report[-1])
+        ok, line = dist_cases.judge(c, results[c["name"]], world)
+        report.append(line)
+        if not ok:
+            failures.append(line)
     print("\n".join(report))
     assert not failures, "\n".join(failures)
