@@ -43,11 +43,19 @@ def cases(world, seed, precisions=("exact", "fp16"), dtype="float32", dims=(32, 
                         Hq=4, Hkv=2, N=N, D=dims[0], seed=seed + i, dtype=dtype,
                         topk_per_head=[0.2, 0.4, 0.6, 0.8], gather_bytes=1,
                         kw=dict(precision=precisions[0], block_size=blk)))
+        i += 1
+        out.append(dict(name="%s-c0-zigzag-strided" % method, method=method, causal=False, zigzag=True,
+                        shuffle_layout=True, B=1, Hq=4, Hkv=2, N=N, D=dims[0], seed=seed + i, dtype=dtype,
+                        kw=dict(precision=precisions[0], topk=0.5, block_size=blk)))
         for causal in (False, True):
             i += 1
             out.append(dict(name="%s-c%d-int8-bf16" % (method, causal), method=method, causal=causal, B=1, Hq=4,
                             Hkv=2, N=N, D=64, seed=seed + i, dtype="bfloat16", gather_bytes=1 if causal else 1 << 30,
                             kw=dict(precision="int8_fp8", topk=0.5, block_size=blk)))
+    i += 1
+    out.append(dict(name="ulysses-cross", method="ulysses", causal=False, B=1, Hq=4, Hkv=2, N=N, Nkv=N // 2,
+                    D=dims[0], seed=seed + i, dtype=dtype, kw=dict(precision=precisions[0], topk=0.5,
+                                                                    block_size=blk)))
     return out
 
 
@@ -77,7 +85,7 @@ def run_ranks(world, case_list, device="cpu", timeout=600):
     for r, p in enumerate(procs):
         if p.returncode != 0:
             raise RuntimeError("rank %d exited %d:\n%s" % (r, p.returncode, logs[r][-4000:]))
-    res = {}
+    res = {"errors": [torch.load(os.path.join(tmp, "errors-%d.pt" % r)) for r in range(world)]}
     for c in case_list:
         res[c["name"]] = [torch.load(os.path.join(tmp, "%s-%d.pt" % (c["name"], r))) for r in range(world)]
     return res

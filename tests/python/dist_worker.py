@@ -24,12 +24,35 @@ from sparge import distributed as sd  # noqa: E402
 def global_inputs(case, device):
     g = torch.Generator().manual_seed(int(case["seed"]))
     B, Hq, Hkv, N, D = case["B"], case["Hq"], case["Hkv"], case["N"], case["D"]
+    Nkv = case.get("Nkv", N)
     dt = getattr(torch, case.get("dtype", "float32"))
     # Clustered keys (runs of similar tokens) so that the predicted masks are not trivial.
-    def make(h):
-        base = torch.randn(B, h, N // 64, D, generator=g).repeat_interleave(64, dim=2)
-        return (base + 0.7 * torch.randn(B, h, N, D, generator=g)).to(dt).to(device)
-    return make(Hq), make(Hkv), torch.randn(B, Hkv, N, D, generator=g).to(dt).to(device)
+    def make(h, n):
+        base = torch.randn(B, h, n // 64, D, generator=g).repeat_interleave(64, dim=2)
+        return (base + 0.7 * torch.randn(B, h, n, D, generator=g)).to(dt).to(device)
+    return make(Hq, N), make(Hkv, Nkv), torch.randn(B, Hkv, Nkv, D, generator=g).to(dt).to(device)
+
+
+def expected_errors(rank, world, device):
+    """Bad calls: each must raise InvalidArgumentError naming the problem, on every rank alike."""
+    t = lambda *shape: torch.randn(*shape).to(device)  # noqa: E731
+    msgs = []
+    calls = [
+        (sd.ulysses_attention, (t(1, 3, 128, 64), t(1, 3, 128, 64), t(1, 3, 128, 64)), dict(), "multiple of the world"),
+        (sd.ring_attention, (t(1, 2, 96, 64), t(1, 2, 96, 64), t(1, 2, 96, 64)), dict(is_causal=True), "mask blocks"),
+        (sd.ring_attention, (t(1, 2, 256, 64), t(1, 2, 128, 64), t(1, 2, 128, 64)), dict(), "one length"),
+        (sd.ulysses_attention, (t(1, 4, 256, 64), t(1, 4, 128, 64), t(1, 4, 128, 64)), dict(is_causal=True),
+         "equal q and k shard lengths"),
+        (sd.ring_attention, (t(1, 2, 256, 64), t(1, 2, 256, 64), t(1, 2, 256, 64).numpy() if device == "cpu"
+                             else None), dict(), "v must be a torch tensor"),
+    ]
+    for fn, args, kw, needle in calls:
+        try:
+            fn(*args, None, **kw)
+            msgs.append("no error (expected %r)" % needle)
+        except sparge.InvalidArgumentError as e:
+            msgs.append("ok" if needle in str(e) else "wrong message %r (expected %r)" % (str(e), needle))
+    return msgs
 
 
 def main():
@@ -41,6 +64,7 @@ def main():
                             rank=rank, world_size=world)
     with open(cases_json) as f:
         cases = json.load(f)
+    torch.save(expected_errors(rank, world, device), os.path.join(out_dir, "errors-%d.pt" % rank))
     for case in cases:
         q, k, v = global_inputs(case, device)
         causal = case["causal"]
@@ -50,6 +74,8 @@ def main():
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         dim = 2 if layout == "HND" else 1
         ql, kl, vl = (sd.shard_sequence(t, rank, world, dim=dim, zigzag=zig).contiguous() for t in (q, k, v))
+        if case.get("shuffle_layout"):  # non-contiguous shards: any strides with a unit D stride work
+            ql = ql.transpose(1, 2).contiguous().transpose(1, 2)
         kw = dict(case.get("kw", {}))
         if "block_size" in kw:
             kw["block_size"] = tuple(kw["block_size"])

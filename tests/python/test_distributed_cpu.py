@@ -152,6 +152,10 @@ def test_sequence_parallel_matches_one_process(world, rng):
     cases = dist_cases.cases(world, seed)
     results = dist_cases.run_ranks(world, cases)
     report, failures = [], []
+    for r, msgs in enumerate(results["errors"]):
+        for m in msgs:
+            if m != "ok":
+                failures.append("rank %d, bad call: %s" % (r, m))
     for c in cases:
         ok, line = dist_cases.judge(c, results[c["name"]], world)
         report.append(line)

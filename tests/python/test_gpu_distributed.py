@@ -91,6 +91,8 @@ def test_sequence_parallel_nccl_matches_one_gpu(world, rng):
                              dims=(128, 64), gpu=True)
     results = dist_cases.run_ranks(world, cases, device="cuda")
     report, failures = [], []
+    for r, msgs in enumerate(results["errors"]):
+        failures.extend("rank %d, bad call: %s" % (r, m) for m in msgs if m != "ok")
     for c in cases:
         ok, line = dist_cases.judge(c, results[c["name"]], world, device="cuda")
         report.append(line)
