@@ -188,3 +188,37 @@ def judge(case, shards, world, device="cpu"):
     else:
         ok = ok and rel_l1 <= 5e-3 and lse_err <= 1e-3
     return ok, line
+
+
+def simulate_ring(q, k, v, world, causal, zigzag, **kw):
+    """The ring's per-rank computation (sparge.distributed._ring_step) for every rank in one process,
+    each step fed the K/V shard it would receive; the global mask from one process's prediction.
+    Returns (out, lse, mask) gathered in natural order (HND), for comparison with one device."""
+    import torch
+
+    import sparge
+    from sparge import distributed as sd
+
+    bq, bk = kw.get("block_size", (128, 64))
+    mask = sparge.predict_mask(q, k, is_causal=causal, **kw)
+    akw = dict(precision=kw.get("precision", "int8_fp8"), block_size=(bq, bk), scale=kw.get("scale"))
+    S = q.shape[2] // world
+    per = 2 if zigzag else 1
+    c = S // per
+    shards = [tuple(sd.shard_sequence(t, r, world, dim=2, zigzag=zigzag) for t in (q, k, v)) for r in range(world)]
+    outs, lses, rows_all = [], [], []
+    for r in range(world):
+        qh = shards[r][0]
+        mine = sd.shard_chunks(r, world, zigzag)
+        rows = torch.cat([mask[:, :, g * (c // bq):(g + 1) * (c // bq)] for g in mine], dim=2).contiguous()
+        acc = [None] * per
+        for t in range(world):
+            src = (r - t) % world
+            sd._ring_step(qh, shards[src][1], shards[src][2], rows, acc, r, world, t, zigzag, causal, c, c // bq,
+                          c // bk, akw)
+        out, lse, rows = sd._ring_finish(acc, q.dtype, "HND", causal, rows, True, True)
+        outs.append(out)
+        lses.append(lse)
+        rows_all.append(rows)
+    return (sd.unshard_sequence(outs, dim=2, zigzag=zigzag), sd.unshard_sequence(lses, dim=2, zigzag=zigzag),
+            sd.unshard_sequence(rows_all, dim=2, zigzag=zigzag), mask)

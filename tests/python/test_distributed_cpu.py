@@ -163,3 +163,26 @@ def test_sequence_parallel_matches_one_process(world, rng):
             failures.append(line)
     print("\n".join(report))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("world,causal,zigzag", [(8, True, True), (3, True, False), (5, False, False)])
+def test_ring_steps_of_every_rank_in_one_process(world, causal, zigzag, rng):
+    """The ring's per-rank steps, run for every rank in one process (no communication), give one
+    process's attention: up to 8 ranks without 8 processes."""
+    import torch
+
+    import dist_cases
+
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    N = 2 * world * 64 if zigzag else world * 128
+    q = torch.randn(1, 4, N, 32, generator=g)
+    k = torch.randn(1, 2, N, 32, generator=g)
+    v = torch.randn(1, 2, N, 32, generator=g)
+    kw = dict(precision="exact", topk=0.4, block_size=(64, 64))
+    out, lse, rows, mask = dist_cases.simulate_ring(q, k, v, world, causal, zigzag, **kw)
+    ref, ref_lse = sparge.attention(q, k, v, is_causal=causal, mask=mask, return_lse=True, precision="exact",
+                                    block_size=(64, 64))
+    assert torch.equal(rows, mask)
+    assert (out - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    assert (lse - ref_lse).abs().max().item() <= 2e-6

@@ -100,3 +100,37 @@ def test_sequence_parallel_nccl_matches_one_gpu(world, rng):
             failures.append(line)
     print("\n".join(report))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("precision", ["int8_fp8", "fp16"])
+def test_ring_steps_on_one_gpu(causal, precision, gen):
+    """The ring's per-rank steps for 4 ranks (zig-zag when causal) on one GPU, fed the shards each
+    rank would receive, against one GPU's attention on the same mask: fp16 within the 16-bit
+    rounding of P, int8_fp8 with the same error against float32 SDPA-style math."""
+    import dist_cases
+
+    world, N = 4, 4096
+    q = torch.randn(1, 8, N, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn(1, 2, N, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(1, 2, N, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    kw = dict(precision=precision, topk=0.4)
+    out, lse, rows, mask = dist_cases.simulate_ring(q, k, v, world, causal, causal, **kw)
+    ref, ref_lse = sparge.attention(q, k, v, is_causal=causal, mask=mask, return_lse=True, precision=precision)
+    assert torch.equal(rows, mask)
+    # float64 attention on the mask (every used key of a kept block, the causal rule)
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(4, dim=1), vd.repeat_interleave(4, dim=1)
+    s = (qd @ kd.transpose(-1, -2)) / 128 ** 0.5
+    used = mask.bool().repeat_interleave(128, dim=2).repeat_interleave(64, dim=3)[:, :, :N, :N]
+    if causal:
+        used &= torch.ones(N, N, dtype=torch.bool, device="cuda").tril()
+    s = s.masked_fill(~used, -float("inf"))
+    exact = torch.softmax(s, dim=-1).nan_to_num(0.0) @ vd
+    den = exact.abs().sum().item()
+    e_ring = (out.double() - exact).abs().sum().item() / den
+    e_one = (ref.double() - exact).abs().sum().item() / den
+    assert e_ring <= 1.25 * e_one + 2e-3, (e_ring, e_one)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse[fin] - ref_lse[fin]).abs().max().item() < (0.1 if precision == "int8_fp8" else 1e-2)

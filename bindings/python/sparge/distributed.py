@@ -489,41 +489,53 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
     g_prv = dist.get_global_rank(group, prv) if group is not None else prv
     kv = (kh.contiguous(), vh.contiguous())
     acc: List[Any] = [None] * per   # per local query chunk: (float32 out, lse)
-    schedule = ring_schedule(rank, world, zig, is_causal)
     akw = _attn_kw(kw)
     for t in range(world):
         reqs = None
-        if t + 1 < world:
+        if t + 1 < world:  # start the transfer of the next shard before computing on this one
             nk, nv = torch.empty_like(kv[0]), torch.empty_like(kv[1])
             ops = [dist.P2POp(dist.isend, kv[0], g_nxt, group), dist.P2POp(dist.isend, kv[1], g_nxt, group),
                    dist.P2POp(dist.irecv, nk, g_prv, group), dist.P2POp(dist.irecv, nv, g_prv, group)]
             reqs = dist.batch_isend_irecv(ops)
-        src = (rank - t) % world
-        theirs = shard_chunks(src, world, zig)
-        calls = schedule[t]
-        if not is_causal:  # one call: all local queries against the whole visiting shard
-            calls = [(None, None, "full")]
-        for i, j, kind in calls:
-            qs = qh if i is None else qh[:, :, i * c:(i + 1) * c]
-            ks = kv[0] if j is None else kv[0][:, :, j * c:(j + 1) * c]
-            vs = kv[1] if j is None else kv[1][:, :, j * c:(j + 1) * c]
-            r_sel = rows if i is None else rows[:, :, i * qb_per:(i + 1) * qb_per]
-            cols = theirs if j is None else [theirs[j]]
-            sub = torch.cat([r_sel[:, :, :, g * kb_per:(g + 1) * kb_per] for g in cols], dim=3).contiguous()
-            o, l = attention(qs, ks, vs, mask=sub, is_causal=(kind == "diag"), return_lse=True, **akw)
-            slot = 0 if i is None else i
-            if acc[slot] is None:
-                acc[slot] = (o.float(), l)
-            else:
-                merge_states([acc[slot][0], o], [acc[slot][1], l], out=acc[slot][0], lse_out=acc[slot][1])
+        _ring_step(qh, kv[0], kv[1], rows, acc, rank, world, t, zig, is_causal, c, qb_per, kb_per, akw)
         if reqs is not None:
             for r in reqs:
                 r.wait()
             kv = (nk, nv)
-    if is_causal:
+    return _ring_finish(acc, q.dtype, layout, is_causal, rows, return_lse, return_mask)
+
+
+def _ring_step(qh: Any, k: Any, v: Any, rows: Any, acc: List[Any], rank: int, world: int, t: int, zig: bool,
+               causal: bool, c: int, qb_per: int, kb_per: int, akw: Dict[str, Any]) -> None:
+    """Ring step t of `rank`: attention of the local queries on the visiting K/V shard (that of rank
+    (rank - t) % world), merged into `acc` (one (float32 out, lse) per local query chunk)."""
+    torch = _torch()
+    theirs = shard_chunks((rank - t) % world, world, zig)
+    calls = ring_schedule(rank, world, zig, causal)[t]
+    if not causal:  # one call: all local queries against the whole visiting shard
+        calls = [(None, None, "full")]
+    for i, j, kind in calls:
+        qs = qh if i is None else qh[:, :, i * c:(i + 1) * c]
+        ks = k if j is None else k[:, :, j * c:(j + 1) * c]
+        vs = v if j is None else v[:, :, j * c:(j + 1) * c]
+        r_sel = rows if i is None else rows[:, :, i * qb_per:(i + 1) * qb_per]
+        cols = theirs if j is None else [theirs[j]]
+        sub = torch.cat([r_sel[:, :, :, g * kb_per:(g + 1) * kb_per] for g in cols], dim=3).contiguous()
+        o, l = attention(qs, ks, vs, mask=sub, is_causal=(kind == "diag"), return_lse=True, **akw)
+        slot = 0 if i is None else i
+        if acc[slot] is None:
+            acc[slot] = (o.float(), l)
+        else:
+            merge_states([acc[slot][0], o], [acc[slot][1], l], out=acc[slot][0], lse_out=acc[slot][1])
+
+
+def _ring_finish(acc: List[Any], dtype: Any, layout: str, causal: bool, rows: Any, return_lse: bool,
+                 return_mask: bool) -> Any:
+    torch = _torch()
+    if causal:
         out_f = torch.cat([a[0] for a in acc], dim=2)
         lse = torch.cat([a[1] for a in acc], dim=2)
     else:
         out_f, lse = acc[0]
-    out = _from_hnd(out_f.to(q.dtype), layout)
+    out = _from_hnd(out_f.to(dtype), layout)
     return _result(out, lse, rows, return_lse, return_mask)
