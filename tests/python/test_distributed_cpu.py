@@ -184,5 +184,9 @@ def test_ring_steps_of_every_rank_in_one_process(world, causal, zigzag, rng):
     ref, ref_lse = sparge.attention(q, k, v, is_causal=causal, mask=mask, return_lse=True, precision="exact",
                                     block_size=(64, 64))
     assert torch.equal(rows, mask)
+    if not causal:  # ring_attention predicts non-causal rows from the local queries and all of K
+        for r in range(world):
+            local = sparge.predict_mask(sd.shard_sequence(q, r, world, dim=2), k, **kw)
+            assert torch.equal(local, mask[:, :, r * (N // world // 64):(r + 1) * (N // world // 64)])
     assert (out - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
     assert (lse - ref_lse).abs().max().item() <= 2e-6
