@@ -6,7 +6,6 @@ torch with torch.distributed and are skipped without it.
 """
 
 import importlib.util
-import itertools
 
 import numpy as np
 import pytest
@@ -140,6 +139,13 @@ def test_single_rank_fallback_without_process_group(rng):
         assert torch.equal(mask, m2) and torch.equal(out, o2) and torch.equal(lse, l2)
         assert torch.equal(fn(q, k, v, is_causal=True, precision="fp16"),
                            sparge.attention(q, k, v, is_causal=True, precision="fp16"))
+        qn, kn, vn = (t.transpose(1, 2) for t in (q, k, v))
+        assert torch.equal(fn(qn, kn, vn, layout="nhd", precision="fp16").transpose(1, 2),
+                           sparge.attention(q, k, v, precision="fp16"))
+        with pytest.raises(sparge.InvalidArgumentError, match="layout must be"):
+            fn(q, k, v, layout="BHLD")
+        with pytest.raises(sparge.InvalidArgumentError, match="v must be a torch tensor"):
+            fn(q, k, v.numpy())
 
 
 # ------------------------------------------------------------------ gloo: 2 and 4 processes

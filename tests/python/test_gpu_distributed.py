@@ -3,7 +3,6 @@ the multi-GPU runs also with fewer than two GPUs."""
 
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -145,10 +145,12 @@ def _group_info(group: Any) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _seq_dim(layout: str) -> int:
-    if layout not in ("HND", "NHD"):
-        raise C.InvalidArgumentError("layout must be 'HND' or 'NHD', got %r" % (layout,))
-    return 2 if layout == "HND" else 1
+def _layout(layout: Any) -> str:
+    lay = layout.upper() if isinstance(layout, str) else layout
+    if lay not in ("HND", "NHD"):
+        raise C.InvalidArgumentError("layout must be 'HND' ([B, H, L, D]) or 'NHD' ([B, L, H, D]), got %r"
+                                     % (layout,))
+    return lay
 
 
 def _to_hnd(x: Any, layout: str) -> Any:
@@ -291,13 +293,13 @@ def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: b
         ``out`` (q's shard shape, layout and dtype), or a tuple with ``lse`` and/or ``mask``.
     """
     _check_inputs(q, k, v)
+    layout = _layout(layout)
     zig = bool(is_causal) if zigzag is None else bool(zigzag)
     kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, precision,
                     block_size, scale)
     rank, world = _group_info(group)
     if world == 1:
         return _single(q, k, v, is_causal, layout, mask, return_lse, return_mask, kw)
-    torch = _torch()
     qh, kh, vh = _to_hnd(q, layout), _to_hnd(k, layout), _to_hnd(v, layout)
     B, Hq, S, D = qh.shape
     Hkv, Skv = kh.shape[1], kh.shape[2]
@@ -446,6 +448,7 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
     outputs.
     """
     _check_inputs(q, k, v)
+    layout = _layout(layout)
     zig = bool(is_causal) if zigzag is None else bool(zigzag)
     kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, precision,
                     block_size, scale)
