@@ -236,6 +236,30 @@ SPARGE_API void sparge_version(int* major, int* minor, int* patch);
 /* 1 if this build has the CUDA backend, else 0. */
 SPARGE_API int sparge_has_cuda(void);
 
+/* ------------------------------------------------------------------ merging partial results */
+/* Most partial states one sparge_merge_states call combines. */
+#define SPARGE_MERGE_MAX_STATES 32
+
+/* Combines `count` partial attention results of the same queries over disjoint
+ * key sets (the key chunks of ring attention, say) exactly by their LSE; per
+ * row r, over the states i whose lses[i][r] is not -inf:
+ *   M = max lses[i][r];  w_i = exp(lses[i][r] - M);
+ *   out[r] = sum w_i outs[i][r] / sum w_i;  lse_out[r] = M + log(sum w_i).
+ * A state whose LSE is -inf contributes nothing (its output row is not read);
+ * a row where every LSE is -inf gets zeros and -inf. A NaN LSE gives a NaN row
+ * (output and LSE). An LSE of +inf weighs 1 and every finite one 0 (the limit).
+ * outs[0..count-1] and out: [B, H, L, D], each FLOAT16, BFLOAT16 or FLOAT32;
+ * lses[0..count-1] and lse_out (optional, may be NULL): FLOAT32 [B, H, L];
+ * any non-negative strides (also on D). count: 1..SPARGE_MERGE_MAX_STATES.
+ * Every tensor is on one device: host memory (CPU, float64 arithmetic) or CUDA
+ * device memory of one device_id (float32 arithmetic, asynchronous on `stream`,
+ * no allocation, graph capturable). out may be the very tensor outs[i] (same
+ * data and strides) and lse_out the very tensor lses[i]; other overlaps between
+ * outputs and inputs are not allowed. */
+SPARGE_API sparge_status_t sparge_merge_states(int32_t count, const sparge_tensor_t* outs,
+                                               const sparge_tensor_t* lses, const sparge_tensor_t* out,
+                                               const sparge_tensor_t* lse_out, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -30,6 +30,7 @@ sparge_status_t attention(const Plan&, const Tensor4&, const Tensor4&, const Ten
                           const PredictConfig&, const Tensor4&, const LseView*, void*, void*) {
   return absent();
 }
+sparge_status_t merge_states(const MergeArgs&, int, void*) { return absent(); }
 
 }  // namespace cuda
 }  // namespace sparge

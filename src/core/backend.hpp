@@ -2,6 +2,7 @@
 // Everything handed to a backend has been validated: shapes match the plan,
 // pointers are non-NULL where required, dtypes are the plan's.
 #pragma once
+#include "core/merge.hpp"
 #include "core/problem.hpp"
 
 struct sparge_plan {
@@ -23,6 +24,8 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
 sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v,
                           const MaskView* mask, const PredictConfig& cfg, const Tensor4& out,
                           const LseView* lse, void* workspace);
+// sparge_merge_states on host memory (float64 arithmetic).
+sparge_status_t merge_states(const MergeArgs& a);
 }  // namespace cpu
 
 namespace cuda {
@@ -42,6 +45,8 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
 sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v,
                           const MaskView* mask, const PredictConfig& cfg, const Tensor4& out,
                           const LseView* lse, void* workspace, void* stream);
+// sparge_merge_states on device `device_id` (src/cuda/merge/), queued on `stream`.
+sparge_status_t merge_states(const MergeArgs& a, int device_id, void* stream);
 }  // namespace cuda
 
 }  // namespace sparge

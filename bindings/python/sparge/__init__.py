@@ -33,6 +33,7 @@ from ._capi import (
 from ._api import attention, block_sparse_attention, predict_mask, visible_key_blocks
 from ._sdpa import sdpa
 from ._plan import Plan
+from .merge import merge_states
 from . import compat
 from .compat import (
     block_sparse_sage2_attn_cuda,
@@ -51,6 +52,7 @@ __all__ = [
     "predict_mask",
     "block_sparse_attention",
     "visible_key_blocks",
+    "merge_states",
     "library_version",
     "library_path",
     "has_cuda",

@@ -292,7 +292,11 @@ _PROTOTYPES = {
     "sparge_status_string": (ctypes.c_char_p, [_status_t]),
     "sparge_version": (None, [ctypes.POINTER(ctypes.c_int)] * 3),
     "sparge_has_cuda": (ctypes.c_int, []),
+    "sparge_merge_states": (_status_t, [ctypes.c_int32, _T, _T, _T, _T, ctypes.c_void_p]),
 }
+
+#: SPARGE_MERGE_MAX_STATES: most partial states one sparge_merge_states call combines.
+MERGE_MAX_STATES = 32
 
 
 # ------------------------------------------------------------------ loader

@@ -218,7 +218,18 @@ extern "C" {
     pub fn sparge_status_string(status: sparge_status_t) -> *const c_char;
     pub fn sparge_version(major: *mut c_int, minor: *mut c_int, patch: *mut c_int);
     pub fn sparge_has_cuda() -> c_int;
+    pub fn sparge_merge_states(
+        count: i32,
+        outs: *const sparge_tensor_t,
+        lses: *const sparge_tensor_t,
+        out: *const sparge_tensor_t,
+        lse_out: *const sparge_tensor_t,
+        stream: *mut c_void,
+    ) -> sparge_status_t;
 }
+
+/// Most partial states one `sparge_merge_states` call combines.
+pub const SPARGE_MERGE_MAX_STATES: usize = 32;
 
 #[cfg(test)]
 mod tests {

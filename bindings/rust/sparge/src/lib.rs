@@ -497,6 +497,85 @@ fn opt_raw(t: Option<&TensorDesc>) -> *const sys::sparge_tensor_t {
     t.map_or(ptr::null(), |t| t.as_raw() as *const _)
 }
 
+// ---------------------------------------------------------------- merging partial states
+
+/// Most partial states one [`merge_states`] call combines.
+pub const MERGE_MAX_STATES: usize = sys::SPARGE_MERGE_MAX_STATES;
+
+/// Combines partial attention states exactly by their LSE (`sparge_merge_states`):
+/// `outs[i]` `[B, H, L, D]` (F16, BF16 or F32, any strides), `lses[i]` F32
+/// `[B, H, L]`; `out` may be one of `outs` and `lse_out` one of `lses`.
+///
+/// # Safety
+/// Every descriptor must describe valid memory of its shape, strides and dtype
+/// on its device, and `stream` must be NULL or a valid CUDA stream of that
+/// device. Nothing may be freed before the work on `stream` completes.
+pub unsafe fn merge_states_raw(
+    outs: &[TensorDesc],
+    lses: &[TensorDesc],
+    out: &TensorDesc,
+    lse_out: Option<&TensorDesc>,
+    stream: *mut c_void,
+) -> Result<()> {
+    if outs.len() != lses.len() {
+        return Err(Error::invalid(format!(
+            "merge_states: {} outputs but {} LSEs",
+            outs.len(),
+            lses.len()
+        )));
+    }
+    let count = i32::try_from(outs.len()).unwrap_or(i32::MAX);
+    // TensorDesc is repr(transparent) over sparge_tensor_t.
+    check(sys::sparge_merge_states(
+        count,
+        outs.as_ptr() as *const sys::sparge_tensor_t,
+        lses.as_ptr() as *const sys::sparge_tensor_t,
+        out.as_raw(),
+        opt_raw(lse_out),
+        stream,
+    ))
+}
+
+/// [`merge_states_raw`] on contiguous host `f32` slices: `outs[i]` and `out`
+/// hold `shape` = `[B, H, L, D]` elements, `lses[i]` and `lse_out` `[B, H, L]`.
+pub fn merge_states(
+    outs: &[&[f32]],
+    lses: &[&[f32]],
+    shape: [i64; 4],
+    out: &mut [f32],
+    lse_out: Option<&mut [f32]>,
+) -> Result<()> {
+    if outs.len() != lses.len() {
+        return Err(Error::invalid(format!(
+            "merge_states: {} outputs but {} LSEs",
+            outs.len(),
+            lses.len()
+        )));
+    }
+    let ls = [shape[0], shape[1], shape[2]];
+    let cpu = Device::Cpu;
+    let mut od = Vec::with_capacity(outs.len());
+    let mut ld = Vec::with_capacity(lses.len());
+    for (i, (o, l)) in outs.iter().zip(lses.iter()).enumerate() {
+        Plan::check_len(&format!("outs[{i}]"), o.len(), &shape)?;
+        Plan::check_len(&format!("lses[{i}]"), l.len(), &ls)?;
+        od.push(TensorDesc::contiguous(o.as_ptr() as *mut c_void, cpu, DType::F32, &shape)?);
+        ld.push(TensorDesc::contiguous(l.as_ptr() as *mut c_void, cpu, DType::F32, &ls)?);
+    }
+    Plan::check_len("out", out.len(), &shape)?;
+    let o = TensorDesc::contiguous(out.as_mut_ptr() as *mut c_void, cpu, DType::F32, &shape)?;
+    let l = match lse_out {
+        Some(l) => {
+            Plan::check_len("lse_out", l.len(), &ls)?;
+            Some(TensorDesc::contiguous(l.as_mut_ptr() as *mut c_void, cpu, DType::F32, &ls)?)
+        }
+        None => None,
+    };
+    // Safety: every descriptor covers a live slice of exactly its shape (checked above); the
+    // CPU backend runs synchronously and only reads outs and lses.
+    unsafe { merge_states_raw(&od, &ld, &o, l.as_ref(), ptr::null_mut()) }
+}
+
 // ---------------------------------------------------------------- workspace
 
 /// Host scratch memory, 256-byte aligned, for CPU plans.

@@ -287,3 +287,66 @@ fn one_plan_many_threads() {
         }
     });
 }
+
+#[test]
+fn merge_states_recovers_attention_over_all_keys_from_key_chunks() {
+    let mut rng = Rng(0x5eed_0019 ^ std::process::id() as u64);
+    let (b, hq, hkv, lq, d) = (1i64, 2i64, 1i64, 40i64, 16i64);
+    let chunks = [64i64, 23, 41];
+    let lkv: i64 = chunks.iter().sum();
+    let q = rng.vec((b * hq * lq * d) as usize);
+    let k = rng.vec((b * hkv * lkv * d) as usize);
+    let v = rng.vec((b * hkv * lkv * d) as usize);
+    let whole = exact_problem(b, hq, hkv, lq, lkv, d, false);
+    let (ref_out, ref_lse) = reference(&whole, &q, &k, &v, None);
+    // Each chunk's keys on their own (hkv == 1: the chunk is a contiguous run of k and v).
+    let mut outs = Vec::new();
+    let mut lses = Vec::new();
+    let mut start = 0usize;
+    for &c in &chunks {
+        let p = exact_problem(b, hq, hkv, lq, c, d, false);
+        let plan = Plan::new(&p).unwrap();
+        let kc = &k[start * d as usize..(start + c as usize) * d as usize];
+        let vc = &v[start * d as usize..(start + c as usize) * d as usize];
+        let mut o = vec![f32::NAN; (b * hq * lq * d) as usize];
+        let mut l = vec![f32::NAN; (b * hq * lq) as usize];
+        let mask = vec![1u8; plan.mask_shape().iter().product::<i64>() as usize];
+        plan.attention(&q, kc, vc, Some(&mask), None, &mut o, Some(&mut l)).unwrap();
+        outs.push(o);
+        lses.push(l);
+        start += c as usize;
+    }
+    let o_refs: Vec<&[f32]> = outs.iter().map(|x| x.as_slice()).collect();
+    let l_refs: Vec<&[f32]> = lses.iter().map(|x| x.as_slice()).collect();
+    let mut out = vec![f32::NAN; ref_out.len()];
+    let mut lse = vec![f32::NAN; ref_lse.len()];
+    sparge::merge_states(&o_refs, &l_refs, [b, hq, lq, d], &mut out, Some(&mut lse)).unwrap();
+    for (g, r) in out.iter().zip(ref_out.iter()) {
+        assert!((*g as f64 - r).abs() < 2e-6, "out {g} vs {r}");
+    }
+    for (g, r) in lse.iter().zip(ref_lse.iter()) {
+        assert!((*g as f64 - r).abs() < 2e-6, "lse {g} vs {r}");
+    }
+    // An empty state (-inf everywhere, NaN outputs) changes nothing.
+    let empty_o = vec![f32::NAN; out.len()];
+    let empty_l = vec![f32::NEG_INFINITY; lse.len()];
+    let mut out2 = vec![0f32; out.len()];
+    sparge::merge_states(&[&out, &empty_o], &[&lse, &empty_l], [b, hq, lq, d], &mut out2, None).unwrap();
+    assert_eq!(out, out2);
+}
+
+#[test]
+fn merge_states_rejects_bad_arguments() {
+    let o = vec![0.5f32; 2 * 3 * 4];
+    let l = vec![0f32; 2 * 3];
+    let mut out = vec![0f32; o.len()];
+    let e = sparge::merge_states(&[], &[], [1, 2, 3, 4], &mut out, None).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(e.message().contains("count is 0"), "{}", e.message());
+    let many_o: Vec<&[f32]> = vec![&o; sparge::MERGE_MAX_STATES + 1];
+    let many_l: Vec<&[f32]> = vec![&l; sparge::MERGE_MAX_STATES + 1];
+    let e = sparge::merge_states(&many_o, &many_l, [1, 2, 3, 4], &mut out, None).unwrap_err();
+    assert!(e.message().contains("SPARGE_MERGE_MAX_STATES"), "{}", e.message());
+    let e = sparge::merge_states(&[&o], &[&l[..5]], [1, 2, 3, 4], &mut out, None).unwrap_err();
+    assert!(e.message().contains("lses[0]"), "{}", e.message());
+}
