@@ -42,6 +42,12 @@ struct AttnArgs {
   LseView lse;                     // lse.data == nullptr: not wanted
 };
 
+// The scheduling stage's read-ahead contract with the attention kernels: the
+// first kListReadAhead entries of every row's list hold a defined value (a
+// listed block, or -1 past the count), so a kernel may read the blocks of its
+// first step together with the count instead of after it.
+constexpr int kListReadAhead = 3;
+
 // Token permutation used by v_f8 within each group of 32 keys: column kk of the
 // stored V^T holds key perm32(kk). It matches the register layout of the fp8
 // wgmma A operand to that of the int8 wgmma accumulator, so P needs no shuffles.

@@ -52,11 +52,11 @@ __global__ void __launch_bounds__(kListWarps * 32) mask_to_lists_kernel(const Li
     }
   }
   if (lane == 0) a.cnt[row] = base;
-  // The sm_90a attention kernels read the first entries of every row (one per
-  // listed block of their first step: up to three, the 16-bit P.V kernel at
-  // D = 64) before they know the count (docs/KERNELS-SM90.md); give unused
-  // ones a defined value.
-  if (lane < 3 && lane >= base && lane < p.nKB) out[lane] = -1;
+  // The read-ahead contract (kListReadAhead, cuda/common/internal.cuh): the
+  // attention kernels read the first entries of every row (one per listed
+  // block of their first step) before they know the count; give unused ones
+  // a defined value.
+  if (lane < kListReadAhead && lane >= base && lane < p.nKB) out[lane] = -1;
 }
 
 // Work order: group-major (one group = the query heads that share a K/V

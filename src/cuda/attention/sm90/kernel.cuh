@@ -24,6 +24,7 @@
 
 #include "cuda/attention/sm90/cta.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
+#include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
 
 namespace sparge {
@@ -120,6 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_con
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   using L = typename ML::Layout;
   constexpr int kStages = L::kStages, kHalves = ML::kHalves;
+  static_assert(kHalves <= kListReadAhead, "the first step reads more list entries than the scheduler defines");
   extern __shared__ uint8_t smem_raw[];
   const SmemRing<kStages> ring(smem_raw, L::kBar);
   const RowWork w(p);
