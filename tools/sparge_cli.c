@@ -196,6 +196,7 @@ typedef struct {
   int use_cdf;
   float topk, cdf, sim_threshold;
   int sink, smooth_k;
+  int window; /* -1: the default of the mode */
   int iters, warmup; /* -1: default for the device */
   uint64_t seed;
   int nhd;
@@ -225,7 +226,8 @@ static void usage(FILE* f) {
           "  --topk X               keep fraction of blocks per row, (0, 1] (default 0.5)\n"
           "  --cdf X                select by cumulative probability X instead of top-k\n"
           "  --sim-threshold X      self-similarity threshold (default -0.1: off)\n"
-          "  --sink                 always keep the first key block\n"
+          "  --sink | --no-sink     keep the first key block (counted in the budget; default: on when causal)\n"
+          "  --window W             keep the diagonal key blocks and W-1 more per side (default: 1 when causal)\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
           "  --precision int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
           "                         (default int8_fp8; int8_fp8_split_v: V as two e4m3 terms,\n"
@@ -273,6 +275,8 @@ static void parse_args(int argc, char** argv, options_t* o) {
   o->cdf = 0.9f;
   o->sim_threshold = -0.1f;
   o->smooth_k = 1;
+  o->sink = -1;
+  o->window = -1;
   o->iters = o->warmup = -1;
   o->rows = 128;
   o->min_cos = -1.0;
@@ -341,6 +345,13 @@ static void parse_args(int argc, char** argv, options_t* o) {
       o->sim_threshold = parse_f(flag, VALUE());
     } else if (!strcmp(flag, "--sink")) {
       o->sink = 1;
+    } else if (!strcmp(flag, "--no-sink")) {
+      o->sink = 0;
+    } else if (!strcmp(flag, "--window")) {
+      int64_t w;
+      parse_i64(flag, VALUE(), 0, &w);
+      if (w > 1024) die(2, "--window: expected an integer in [0, 1024], got %lld", (long long)w);
+      o->window = (int)w;
     } else if (!strcmp(flag, "--no-smooth-k")) {
       o->smooth_k = 0;
     } else if (!strcmp(flag, "--precision")) {
@@ -884,6 +895,7 @@ int main(int argc, char** argv) {
   c.params.sim_threshold = o.sim_threshold;
   c.params.smooth_k = o.smooth_k;
   c.params.attention_sink = o.sink;
+  c.params.local_window = o.window;
 
   printf("problem   : B=%lld Hq=%lld Hkv=%lld Lq=%lld Lkv=%lld D=%lld %s, layout %s, %s, scale %.6g\n",
          (long long)o.B, (long long)o.H, (long long)o.Hkv, (long long)o.L, (long long)o.Lkv, (long long)o.D,
@@ -892,7 +904,8 @@ int main(int argc, char** argv) {
     printf("sparsity  : precision %s, select cdf %.3g", precision_name(resolved.precision), (double)o.cdf);
   else
     printf("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
-  printf(", sim_threshold %.3g, smooth_k %d, sink %d\n", (double)o.sim_threshold, o.smooth_k, o.sink);
+  printf(", sim_threshold %.3g, smooth_k %d, sink %d, window %d\n", (double)o.sim_threshold, o.smooth_k,
+         o.sink >= 0 ? o.sink : (o.causal ? 1 : 0), o.window >= 0 ? o.window : (o.causal ? 1 : 0));
   printf("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
   printf("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));

@@ -136,19 +136,26 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           tot += e[size_t(kb)];
         }
         for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
-        // 4. selection: probability descending, ties by lower block index
+        // 4. selection: the budget's forced blocks first (sink, local window, causal
+        // diagonal), then probability descending, ties by lower block index
+        const BudgetForced fb = budget_forced(p, cfg, qb);
+        int64_t nforced = 0;
+        for (int64_t kb = 0; kb < vis; ++kb) nforced += fb.has(kb) ? 1 : 0;
         std::iota(order.begin(), order.begin() + vis, int64_t(0));
-        std::stable_sort(order.begin(), order.begin() + vis,
-                         [&](int64_t a, int64_t c) { return P[a] > P[c]; });
+        std::stable_sort(order.begin(), order.begin() + vis, [&](int64_t a, int64_t c) {
+          const bool fa = fb.has(a), fc = fb.has(c);
+          if (fa != fc) return fa;
+          return !fa && P[a] > P[c];
+        });
         int64_t n = 0;
         if (cfg.mode == SPARGE_SELECT_TOPK) {
-          n = topk_count(topk, vis);
+          n = std::max(topk_count(topk, vis), nforced);
         } else {
           double acc = 0.0;
           while (n < vis) {
             acc += double(P[order[size_t(n)]]);
             ++n;
-            if (acc >= double(cdf)) break;
+            if (n >= nforced && acc >= double(cdf)) break;
           }
         }
         for (int64_t t = 0; t < n; ++t) keep[size_t(order[size_t(t)])] = 1;
@@ -157,7 +164,6 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;
         for (int64_t kb = 0; kb < vis; ++kb)
           if (sk[kb] < sim_thr) keep[size_t(kb)] = 1;
-        if (cfg.attention_sink) keep[0] = 1;
       }
       // 6. write the whole row (invisible blocks are 0)
       for (int64_t kb = 0; kb < nKB; ++kb) {

@@ -55,6 +55,22 @@ std::vector<ParamSet> param_sets() {
   p = SPARGE_PREDICT_PARAMS_INIT;
   p.smooth_k = 0;
   v.push_back({"perhead,nosmooth", p, true, false});
+  p = SPARGE_PREDICT_PARAMS_INIT;
+  p.topk = 0.2f;
+  p.attention_sink = 1;
+  p.local_window = 2;
+  v.push_back({"topk0.2+sink+win2", p, false, false});
+  p = SPARGE_PREDICT_PARAMS_INIT;
+  p.mode = SPARGE_SELECT_CDF;
+  p.cdf_threshold = 0.5f;
+  p.local_window = 1;
+  p.attention_sink = 1;
+  v.push_back({"cdf0.5+sink+win1", p, false, false});
+  p = SPARGE_PREDICT_PARAMS_INIT;
+  p.topk = 0.05f;
+  p.attention_sink = 0;
+  p.local_window = 0;
+  v.push_back({"topk0.05,nosink,nowin", p, false, false});
   return v;
 }
 
@@ -289,4 +305,42 @@ TEST_CASE("predict + attention: the mask predicted inside equals the explicit ma
 
 TEST_CASE("predict + attention, medium shape", "[gpu][predict]") {
   run_predict_attention({"pa-L2000", shp(1, 4, 1, 2000, 2000, 64, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false});
+}
+
+// Causal calls with the default parameters (params NULL, the mask predicted inside): no query
+// row ends without a kept key, so no output row is exactly zero and every LSE is finite.
+TEST_CASE("causal defaults: no query row without a kept key", "[gpu][predict][causal][sanitize]") {
+  for (int64_t L : {256, 4096}) {
+    const Shape s = shp(1, 8, 2, L, L, 128, true);
+    const uint64_t seed = case_seed("causal-safe-" + std::to_string(L));
+    const Inputs in = make_inputs(s, Layout::HND, SPARGE_DTYPE_BFLOAT16, false, seed);
+    const DeviceInputs din(in);
+    Stream stream;
+    for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16}) {
+      INFO("L " << L << " " << precision_name(prec));
+      const AttnResult r = gpu_attention(in, din, prec, nullptr, nullptr, true, stream.get());
+      REQUIRE(r.status == SPARGE_OK);
+      CHECK(r.unwritten == 0);
+      int64_t zero_rows = 0, bad_lse = 0;
+      for (int64_t h = 0; h < s.Hq; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          bool nz = false;
+          for (int64_t d = 0; d < s.D; ++d) nz = nz || r.out[size_t((h * L + i) * s.D + d)] != 0.0f;
+          zero_rows += nz ? 0 : 1;
+          bad_lse += std::isfinite(r.lse[size_t(h * L + i)]) ? 0 : 1;
+        }
+      CHECK(zero_rows == 0);
+      CHECK(bad_lse == 0);
+      // and the mask itself: every row's first diagonal key block is kept (default top-k 0.5)
+      sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      prm.topk = 1e-6f;  // one block per row: only the forced ones survive
+      const PredictResult pm = gpu_predict(in, din, prec, prm, nullptr, false, stream.get());
+      REQUIRE(pm.status == SPARGE_OK);
+      const int64_t nQB = s.nQB(), nKB = s.nKB();
+      int64_t missing = 0;
+      for (int64_t h = 0; h < s.Hq; ++h)
+        for (int64_t qb = 0; qb < nQB; ++qb) missing += pm.mask[size_t((h * nQB + qb) * nKB + 2 * qb)] ? 0 : 1;
+      CHECK(missing == 0);
+    }
+  }
 }

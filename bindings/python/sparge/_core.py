@@ -38,13 +38,22 @@ class Options(NamedTuple):
     cdf: float
     sim: float
     smooth_k: bool
-    sink: bool
+    sink: int    # -1 = default of the mode, 0 off, 1 on
+    window: int  # -1 = default of the mode, 0 off, >= 1 blocks
     precision: int
     block_q: int
     block_k: int
 
 
 # ------------------------------------------------------------------ argument checking
+def parse_local_window(w: Any) -> int:
+    if w is None:
+        return -1
+    if isinstance(w, bool) or not hasattr(w, "__index__") or not 0 <= w.__index__() <= 1024:
+        raise _arg_error("local_window must be None or an integer in [0, 1024], got %r" % (w,))
+    return w.__index__()
+
+
 def _arg_error(msg: str) -> C.InvalidArgumentError:
     return C.InvalidArgumentError(msg)
 
@@ -285,7 +294,8 @@ def _params(opts: Options, alloc: Any, like: View, Hq: int,
 def _make_params(opts: Options, ptrs: Sequence[Any]) -> C.SpargePredictParams:
     return C.SpargePredictParams(mode=opts.mode, topk=opts.topk, cdf_threshold=opts.cdf,
                                  sim_threshold=opts.sim, smooth_k=int(opts.smooth_k),
-                                 attention_sink=int(opts.sink), topk_per_head=ptrs[0],
+                                 attention_sink=int(opts.sink), local_window=int(opts.window),
+                                 topk_per_head=ptrs[0],
                                  cdf_threshold_per_head=ptrs[1], sim_threshold_per_head=ptrs[2],
                                  pv_threshold=0.0)
 

@@ -130,6 +130,9 @@ struct SelectArgs {
   int64_t kept_s0, kept_s1;
 };
 
+// Row keys: the P bit pattern + 1 for a candidate block (keys order like P), 0 for a block
+// that is not a candidate (kept beforehand as a forced block of the budget). Searches run over
+// keys >= 1 only, so non-candidates never weigh nor get selected.
 // P in units of 2^-62 (exact for P >= 2^-38; smaller P are truncated).
 __device__ __forceinline__ unsigned long long fixed62(uint32_t pbits) {
   return __float2ull_rz(__uint_as_float(pbits) * 4611686018427387904.0f);
@@ -160,14 +163,14 @@ struct RowSearch {
 #pragma unroll
     for (int i = 0; i < kSelCache; ++i) {
       if (CDF) {
-        if (i < nloc && uc[i] >= t) w += wc[i];
+        if (i < nloc && uc[i] >= t) w += wc[i];  // t >= 1: candidates only
       } else {
         if (i < nloc && lane + 32 * i < V && uc[i] >= t) w += 1ull;
       }
     }
     for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
       const uint32_t u = pb[kb];
-      if (u >= t) w += CDF ? fixed62(u) : 1ull;
+      if (u >= t) w += CDF ? fixed62(u - 1u) : 1ull;
     }
     return w;
   }
@@ -189,21 +192,21 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
   for (int i = 0; i < kSelCache; ++i) {
     const int kb = lane + 32 * i;
     rs.uc[i] = (i < rs.nloc && kb < V) ? pb[kb] : 0u;
-    if (CDF) rs.wc[i] = (i < rs.nloc && kb < V) ? fixed62(rs.uc[i]) : 0ull;
+    if (CDF) rs.wc[i] = (i < rs.nloc && kb < V && rs.uc[i] != 0u) ? fixed62(rs.uc[i] - 1u) : 0ull;
   }
-  if (target == 0 || rs.total_ge(0) < target) {  // CDF never reached (rounding): keep all visible
+  if (rs.total_ge(1) < target) {  // CDF never reached (rounding): keep every visible block
     for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
     return;
   }
   uint32_t tstar = 0;
-  for (int bit = 30; bit >= 0; --bit) {  // P <= 1: bit 31 of t* is 0
+  for (int bit = 30; bit >= 0; --bit) {  // key <= bits(1.0f) + 1: bit 31 of t* is 0
     const uint32_t cand = tstar | (1u << bit);
     if (rs.total_ge(cand) >= target) tstar = cand;
   }
   const unsigned long long rem = target - rs.total_ge(tstar + 1);
   unsigned long long need = rem;  // ties (P == t*) to take, in index order
   if (CDF) {
-    const unsigned long long w = fixed62(tstar);
+    const unsigned long long w = fixed62(tstar - 1u);
     need = w ? (rem + w - 1) / w : 1;
   }
   // ties in index order: chunks of 32 consecutive blocks, ballot + prefix count
@@ -260,20 +263,48 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
       for (int kb = lane; kb < V; kb += 32)
         pb[kb] = __float_as_uint(float(exp(double(__uint_as_float(pb[kb])) - double(mx)) / tot));
       __syncwarp();
+      // forced blocks of the budget (sink, local window, causal diagonal): kept first, their
+      // count (top-k) or probability (CDF) taken off the target, no longer candidates
+      const BudgetForced fb = budget_forced(p, cfg, qb);
+      uint32_t fcount = 0;
+      unsigned long long fmass = 0;
+      for (int kb = lane; kb < V; kb += 32) {
+        const uint32_t u = pb[kb];
+        if (fb.has(kb)) {
+          sel[kb] = 1;
+          ++fcount;
+          fmass += fixed62(u);
+          pb[kb] = 0u;
+        } else {
+          pb[kb] = u + 1u;
+        }
+      }
+      fcount = __reduce_add_sync(0xffffffffu, fcount);
+      fmass = warp_sum_u64(fmass);
+      __syncwarp();
+      unsigned long long target;
       if (cfg.mode == SPARGE_SELECT_TOPK) {
         const float topk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
-        select_row<false>(pb, V, (unsigned long long)topk_count(topk, V), sel);
+        const unsigned long long n = (unsigned long long)topk_count(topk, V);
+        target = n > fcount ? n - fcount : 0ull;
       } else {
         const float cdf = cfg.cdf_per_head ? cfg.cdf_per_head[h] : cfg.cdf_threshold;
-        select_row<true>(pb, V, fixed62(__float_as_uint(cdf)), sel);
+        const unsigned long long t = fixed62(__float_as_uint(cdf));
+        target = t > fmass ? t - fmass : 0ull;
+        if (fcount == 0 && target == 0) target = 1;  // at least one block
+      }
+      if (target > 0) {
+        if (cfg.mode == SPARGE_SELECT_TOPK)
+          select_row<false>(pb, V, target, sel);
+        else
+          select_row<true>(pb, V, target, sel);
       }
     }
     __syncwarp();
-    // forced blocks: non-compressible key blocks, attention sink
+    // forced blocks outside the budget: non-compressible key blocks
     const float* sk = a.sim_k + size_t(bhk) * nKB;
     for (int kb = lane; kb < V; kb += 32)
       if (sk[kb] < sim_thr) sel[kb] = 1;
-    if (cfg.attention_sink && lane == 0) sel[0] = 1;
     __syncwarp();
   }
 
