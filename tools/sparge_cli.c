@@ -11,6 +11,9 @@
  * dense attention (all-ones mask), and compares a sample of output rows with a
  * float64 reference computed on the host from the same (rounded) inputs.
  *
+ * `sparge tune ...` runs the Python tuning command instead (python3 -m sparge tune ...; $SPARGE_PYTHON
+ * chooses the interpreter), which needs the sparge Python package on its path.
+ *
  * Exit status: 0 success, 1 a library or runtime call failed, 2 bad usage,
  * 3 an accuracy gate (--min-cos) was missed.
  */
@@ -25,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #ifdef SPARGE_TOOL_CUDA
 #include <cuda_runtime.h>
@@ -813,6 +817,23 @@ static void print_time(double sec) {
     printf("%10.3f s ", sec);
 }
 
+/* `sparge tune ARGS`: python3 -m sparge tune ARGS (the tuner is Python: numpy, the yardstick). */
+static int run_tune(int argc, char** argv) {
+  const char* py = getenv("SPARGE_PYTHON");
+  char** args = (char**)calloc((size_t)argc + 4, sizeof(char*));
+  int i;
+  if (!py || !*py) py = "python3";
+  if (!args) die(1, "out of memory");
+  args[0] = (char*)py;
+  args[1] = (char*)"-m";
+  args[2] = (char*)"sparge";
+  for (i = 1; i < argc; ++i) args[2 + i] = argv[i];
+  execvp(py, args);
+  fprintf(stderr, "sparge tune: cannot run %s -m sparge tune (set SPARGE_PYTHON, install the sparge Python package)\n",
+          py);
+  return 1;
+}
+
 int main(int argc, char** argv) {
   options_t o;
   sparge_problem_t prob = SPARGE_PROBLEM_INIT;
@@ -828,6 +849,7 @@ int main(int argc, char** argv) {
   size_t qn, kvn, esz, mask_bytes;
   buf_t dq, dk, dv, dos, dod, dmask, dones, dkept, dws;
   void *hq, *hk, *hv, *hos, *hod;
+  if (argc >= 2 && !strcmp(argv[1], "tune")) return run_tune(argc, argv);
   uint8_t* hmask;
   int32_t* hkept;
   double sec[kNumCalls], flops, density, kmin = 1e300, kmax = -1e300;

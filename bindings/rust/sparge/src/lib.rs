@@ -33,6 +33,8 @@ use std::ptr::{self, NonNull};
 
 pub use sparge_sys as sys;
 
+pub mod tuned;
+
 // ---------------------------------------------------------------- errors
 
 /// Failure class, from `sparge_status_t` (or a check made on the Rust side).
