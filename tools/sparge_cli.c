@@ -230,8 +230,8 @@ static void usage(FILE* f) {
           "  --topk X               keep fraction of blocks per row, (0, 1] (default 0.5)\n"
           "  --cdf X                select by cumulative probability X instead of top-k\n"
           "  --sim-threshold X      self-similarity threshold (default -0.1: off)\n"
-          "  --sink | --no-sink     keep the first key block (counted in the budget; default: on when causal)\n"
-          "  --window W             keep the diagonal key blocks and W-1 more per side (default: 1 when causal)\n"
+          "  --sink | --no-sink     keep the first key block (counted in the budget; default: on)\n"
+          "  --window W             keep the diagonal key blocks and W-1 more per side (default: 2 when causal)\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
           "  --precision int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
           "                         (default int8_fp8; int8_fp8_split_v: V as two e4m3 terms,\n"
@@ -927,7 +927,7 @@ int main(int argc, char** argv) {
   else
     printf("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
   printf(", sim_threshold %.3g, smooth_k %d, sink %d, window %d\n", (double)o.sim_threshold, o.smooth_k,
-         o.sink >= 0 ? o.sink : (o.causal ? 1 : 0), o.window >= 0 ? o.window : (o.causal ? 1 : 0));
+         o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 0));
   printf("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
   printf("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));

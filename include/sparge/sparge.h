@@ -101,7 +101,8 @@ typedef enum sparge_select_mode {
 
 /* Block-importance estimator of the prediction (docs/SEMANTICS.md, "Mask prediction"). */
 typedef enum sparge_estimator {
-  SPARGE_ESTIMATOR_MEAN = 0  /* softmax of scale * mean(q block) . mean(k' block) (SpargeAttn) */
+  SPARGE_ESTIMATOR_MEAN = 0,     /* softmax of scale * mean(q block) . mean(k' block) (SpargeAttn) */
+  SPARGE_ESTIMATOR_KEYS_LSE = 1  /* softmax of log sum_{j in block} exp(scale * mean(q block) . k_j) */
 } sparge_estimator_t;
 
 /* ------------------------------------------------------------------ tensors */
@@ -168,7 +169,7 @@ typedef struct sparge_predict_params {
   int32_t local_window;           /* w >= 1: keep the key blocks on the diagonal and
                                      w - 1 more on each side (counted in the budget);
                                      0: off; -1: the default of the mode           */
-  sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_MEAN                        */
+  sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_MEAN (default), _KEYS_LSE    */
 } sparge_predict_params_t;
 
 #define SPARGE_PREDICT_PARAMS_INIT                                                  \

@@ -116,8 +116,8 @@ SPARGE_HD int64_t visible_key_blocks(const Problem& p, int64_t qb) {
 // key also sees (so no such row is left without a kept key).
 // The defaults of attention_sink / local_window = -1, per mode (chosen on captured activations:
 // docs/ACCURACY.md, "Predicted masks").
-inline bool default_sink(bool causal) { return causal; }
-inline int32_t default_local_window(bool causal) { return causal ? 1 : 0; }
+inline bool default_sink(bool /*causal*/) { return true; }
+inline int32_t default_local_window(bool causal) { return causal ? 2 : 0; }
 
 struct BudgetForced {
   int64_t lo = 1, hi = 0;  // key block range [lo, hi] (empty when lo > hi)

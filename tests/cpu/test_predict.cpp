@@ -106,8 +106,8 @@ std::vector<int64_t> kept_blocks(const Pred& p, int64_t b, int64_t h, int64_t qb
 // and, causal, the first diagonal block. sink / window -1: the documented defaults of the mode.
 std::vector<bool> budget_forced_blocks(const Pred& p, int64_t qb, int sink, int window) {
   const bool causal = p.prob.causal != 0;
-  if (sink < 0) sink = causal ? 1 : 0;
-  if (window < 0) window = causal ? 1 : 0;
+  if (sink < 0) sink = 1;
+  if (window < 0) window = causal ? 2 : 0;
   const int64_t vis = visible(p, qb), Lq = p.prob.len_q, Lkv = p.prob.len_kv;
   std::vector<bool> f(static_cast<size_t>(vis), false);
   if (vis == 0) return f;
@@ -267,6 +267,7 @@ TEST_CASE("non-compressible Q and K blocks are kept whole; sink keeps key block 
   sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
   params.topk = 0.1f;  // one block per row
   params.sim_threshold = 0.5f;
+  params.attention_sink = 0;
   REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
   check_masks_binary_and_kept(p);
   for (int64_t h = 0; h < 2; ++h)
@@ -506,5 +507,72 @@ TEST_CASE("causal prediction leaves no query row without a kept visible key", "[
         zero_rows += nz && std::isfinite(lse.get(0, h, i)) ? 0 : 1;
       }
     CHECK(zero_rows == 0);
+  }
+}
+
+// Estimator KEYS_LSE: scores log sum_{j in kb, visible to the block's last row} exp(scale pq . k_j) with the
+// raw keys; the top-k set (no forced blocks) is the highest of a float64 recomputation, and K smoothing,
+// a shift of every row's scores, changes nothing.
+TEST_CASE("estimator KEYS_LSE keeps the blocks of largest per-key log-sum-exp", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    Pred p = make_pred(1, 4, 2, 700, 900, 32, 64, 64, causal, rng);
+    Plan plan(p.prob);
+    sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+    params.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+    params.topk = 0.3f;
+    params.attention_sink = 0;
+    params.local_window = 0;
+    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+    check_masks_binary_and_kept(p);
+    const auto first = p.mask.snapshot();
+    params.smooth_k = 0;
+    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+    int64_t same_rows = 0, rows = 0, checked = 0;
+    const double scale = 1.0 / std::sqrt(32.0);
+    for (int64_t h = 0; h < 4; ++h)
+      for (int64_t qb = 0; qb < p.nQB; ++qb) {
+        const int64_t vis = visible(p, qb);
+        if (vis == 0) continue;
+        const int64_t r1 = std::min<int64_t>(700, qb * 64 + 64), last_key = causal ? r1 - 1 + 200 : 899;
+        std::vector<double> pq(32, 0.0), sc(static_cast<size_t>(vis));
+        for (int64_t i = qb * 64; i < r1; ++i)
+          for (int64_t d = 0; d < 32; ++d) pq[size_t(d)] += p.q.get(0, h, i, d) / double(r1 - qb * 64);
+        for (int64_t kb = 0; kb < vis; ++kb) {
+          double m = -INFINITY, sum = 0.0;
+          std::vector<double> v;
+          for (int64_t j = kb * 64; j < std::min<int64_t>({900, kb * 64 + 64, last_key + 1}); ++j) {
+            double dot = 0.0;
+            for (int64_t d = 0; d < 32; ++d) dot += pq[size_t(d)] * p.k.get(0, h / 2, j, d);
+            v.push_back(scale * dot);
+            m = std::max(m, v.back());
+          }
+          for (double x : v) sum += std::exp(x - m);
+          sc[size_t(kb)] = m + std::log(sum);
+        }
+        const int64_t n = topk_n(0.3f, vis);
+        const auto F = budget_forced_blocks(p, qb, 0, 0);  // causal: the first diagonal block
+        const int64_t nf = std::count(F.begin(), F.end(), true);
+        std::vector<double> others;
+        for (int64_t kb = 0; kb < vis; ++kb)
+          if (!F[size_t(kb)]) others.push_back(sc[size_t(kb)]);
+        std::sort(others.rbegin(), others.rend());
+        const int64_t m = std::max<int64_t>(0, n - nf);
+        const auto kept = kept_blocks(p, 0, h, qb);
+        REQUIRE(int64_t(kept.size()) == std::max(n, nf));
+        ++rows;
+        bool same = true;
+        for (int64_t kb = 0; kb < p.nKB; ++kb) same = same && first[size_t(((h * p.nQB) + qb) * p.nKB + kb)] == p.mask.get(0, h, qb, kb);
+        same_rows += same;
+        if (m == 0 || (m < int64_t(others.size()) && others[size_t(m - 1)] - others[size_t(m)] < 1e-5)) continue;
+        for (int64_t kb : kept)
+          if (!F[size_t(kb)]) CHECK(sc[size_t(kb)] >= others[size_t(m - 1)] - 1e-9);
+        ++checked;
+      }
+    CHECK(checked > rows / 2);
+    CHECK(same_rows >= rows - 2);  // smoothing moves a row's scores alike: only float rounding can differ
   }
 }

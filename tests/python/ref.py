@@ -88,9 +88,9 @@ def budget_forced(qb, nv, Lq, Lkv, bq, bk, causal, sink, window):
     the local window (blocks holding the diagonal keys i + Lkv - Lq of the rows, and window - 1 more
     on each side) and, causal, the first diagonal block. sink / window None: the mode's defaults."""
     if sink is None:
-        sink = bool(causal)
+        sink = True
     if window is None:
-        window = 1 if causal else 0
+        window = 2 if causal else 0
     rows = np.arange(qb * bq, min(Lq, qb * bq + bq))
     diag = np.clip(rows + (Lkv - Lq), 0, Lkv - 1) // bk
     first, last = int(diag.min()), int(diag.max())

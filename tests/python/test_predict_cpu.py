@@ -105,6 +105,21 @@ def test_causal_defaults_no_zero_row(rng):
         assert np.all(np.isfinite(lse))
 
 
+def test_estimator_option(rng):
+    q, k, _ = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=512, Lkv=2048, D=32)
+    # one key that the pooled query of block 0 hits, the block's mean unchanged (the mean rule cannot see it)
+    spike = q[0, 0, :128].mean(axis=0) * 40
+    k[0, 0, 64 * 5:64 * 6] -= spike / 63
+    k[0, 0, 64 * 5 + 7] += spike + spike / 63
+    a = sparge.predict_mask(q, k, topk=0.25, estimator="mean")
+    b = sparge.predict_mask(q, k, topk=0.25, estimator="keys_lse")
+    assert a.sum() == b.sum()
+    assert b[0, 0, 0, 5] == 1  # the spike's block: the per-key rule sees it
+    assert not np.array_equal(a, b)
+    with pytest.raises(sparge.InvalidArgumentError, match="estimator"):
+        sparge.predict_mask(q, k, estimator="max")
+
+
 @pytest.mark.parametrize("bad", [-1, 1025, 1.5, True, "2"])
 def test_local_window_checked(rng, bad):
     q, k, _ = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=128, Lkv=128, D=16)
@@ -131,7 +146,7 @@ def test_visible_key_blocks_matches_library(rng):
         q, k, _ = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=Lq, Lkv=Lkv, D=16)
         qv, kv = numpy_view(q), numpy_view(k)
         s = _core.check_qkv(qv, kv, None, 0)
-        opts = _core.Options(0, causal, 0.0, 0, 0.5, 0.9, -0.1, True, 0, 0, 2, 0, 0)
+        opts = _core.Options(0, causal, 0.0, 0, 0.5, 0.9, -0.1, True, 0, 0, 0, 2, 0, 0)
         plan = _core.get_plan(s, qv, opts)
         assert plan.visible_per_head == sum(sparge.visible_key_blocks(Lq, Lkv, 128, 64, causal))
         assert list(ref.visible_blocks(Lq, Lkv, 128, 64, causal)) == sparge.visible_key_blocks(Lq, Lkv, 128, 64, causal)

@@ -63,6 +63,11 @@ def test_mean_rule_matches_the_library(rng, causal):
         lib = Y.library_mask(cap, st)
         mine = np.stack([Y.select(Y.est_mean(cap, h), st, 900, 900, causal) for h in range(4)])
         assert np.array_equal(lib, mine), st.label()
+        # the per-key estimator: float32 rounding of the per-key scores may flip a near-tie row
+        st.estimator = "keys_lse"
+        lib = Y.library_mask(cap, st)
+        mine = np.stack([Y.select(Y.ESTIMATORS["keys_lse"](cap, h), st, 900, 900, causal) for h in range(4)])
+        assert (lib != mine).any(axis=-1).sum() <= 1, st.label()
 
 
 def test_oracle_is_optimal_and_meets_counts(rng):

@@ -20,18 +20,21 @@ CURVE = [0.05, 0.1, 0.2, 0.3, 0.5, 0.7]
 
 
 def settings(causal: bool, full: bool):
+    """The 0.1 defaults (no sink, no window), the current defaults (sink; window 2 when causal) and
+    sink / window variants with the mean rule; every estimator with the current defaults; top-k
+    combined with top-p."""
+    dens = CURVE if full else [0.2, 0.5]
     out = []
-    sw = [(False, 0), (True, 0), (True, 1), (True, 2)] if causal else [(False, 0), (True, 0), (False, 1)]
-    for t in CURVE if full else [0.2, 0.5]:
+    sw = [(False, 0), (True, 0), (True, 1), (True, 2)] if causal else [(False, 0), (True, 0), (True, 1)]
+    for t in dens:
         for s, w in sw:
             out.append(Y.Setting(topk=t, sink=s, window=w, estimator="mean"))
-    sink, win = (True, 2) if causal else (False, 0)
-    for est in ["pooledq_lse", "pooledq_max", "rows4", "antidiag8"]:
-        for t in CURVE if full else [0.2, 0.5]:
-            out.append(Y.Setting(topk=t, sink=sink, window=win, estimator=est))
+    for est in ["keys_lse", "pooledq_max", "rows4", "antidiag8"]:
+        for t in dens if est == "keys_lse" else [0.2, 0.5]:
+            out.append(Y.Setting(topk=t, sink=None, window=None, estimator=est))
     for t in [0.2, 0.5]:
         for p in [0.9, 0.95]:
-            out.append(Y.Setting(topk=t, topp=p, sink=sink, window=win, estimator="mean"))
+            out.append(Y.Setting(topk=t, topp=p, sink=None, window=None, estimator="mean"))
     return out
 
 
@@ -59,8 +62,8 @@ def main() -> int:
                         layers=int(z["layers"]) if "layers" in z.files else -1,
                         L=int(cap.q.shape[1]), Hq=cap.Hq, Hkv=int(cap.k.shape[0]), D=int(cap.q.shape[2]),
                         rows=[dict(r.row(), estimator=r.setting.estimator, topk=r.setting.topk, topp=r.setting.topp,
-                                   sink=r.setting.sink, window=r.setting.window, per_head=r.per_head) for r in res],
-                        oracle_curve=[dict(density=d, **s.as_dict()) for d, s in zip(CURVE, curve)]))
+                                   sink=r.setting.sink, window=r.setting.window) for r in res],
+                        oracle_curve=[dict(s.as_dict(), target=d) for d, s in zip(CURVE, curve)]))
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

@@ -306,6 +306,7 @@ def est_antidiagonal(cap: Capture, h: int, stride: int = 8) -> np.ndarray:
 ESTIMATORS = {
     "mean": est_mean,
     "pooledq_lse": lambda c, h: est_pooled_q_keys(c, h, "lse"),
+    "keys_lse": lambda c, h: est_pooled_q_keys(c, h, "lse"),  # the library's SPARGE_ESTIMATOR_KEYS_LSE
     "pooledq_max": lambda c, h: est_pooled_q_keys(c, h, "max"),
     "rows4": lambda c, h: est_sampled_rows(c, h, 4),
     "antidiag8": lambda c, h: est_antidiagonal(c, h, 8),
@@ -334,9 +335,9 @@ class Setting:
 def budget_forced(qb: int, nv: int, Lq: int, Lkv: int, causal: bool, sink: Optional[bool],
                   window: Optional[int]) -> np.ndarray:
     if sink is None:
-        sink = causal
+        sink = True
     if window is None:
-        window = 1 if causal else 0
+        window = 2 if causal else 0
     rows = np.arange(qb * BQ, min(Lq, qb * BQ + BQ))
     diag = np.clip(rows + (Lkv - Lq), 0, Lkv - 1) // BK
     first, last = int(diag.min()), int(diag.max())
@@ -386,11 +387,12 @@ def select(scores: np.ndarray, st: Setting, Lq: int, Lkv: int, causal: bool) -> 
 
 
 def library_mask(cap: Capture, st: Setting) -> np.ndarray:
-    """sparge.predict_mask (CPU backend, float32 inputs) for the mean estimator: [Hq, nQB, nKB]."""
+    """sparge.predict_mask (CPU backend, float32 inputs) for the library's estimators ("mean",
+    "keys_lse"): [Hq, nQB, nKB]."""
     from . import _api as sparge
 
     kw = dict(is_causal=cap.causal, scale=cap.sc, precision="exact", attention_sink=st.sink,
-              local_window=st.window)
+              local_window=st.window, estimator=st.estimator)
     if st.topk is not None:
         kw.update(topk=st.topk)
     else:
@@ -423,7 +425,7 @@ def evaluate(cap: Capture, settings: Sequence[Setting], heads: Optional[Iterable
     lib_masks: Dict[int, np.ndarray] = {}
     if use_library:
         for i, st in enumerate(settings):
-            if st.estimator == "mean" and st.topp is None:
+            if st.estimator in ("mean", "keys_lse") and st.topp is None:
                 lib_masks[i] = library_mask(cap, st)
     heads = list(range(cap.Hq)) if heads is None else list(heads)
     for n, h in enumerate(heads):

@@ -383,11 +383,10 @@ pub struct PredictParams {
     pub sim_threshold: f32,
     /// Subtract the per-head mean of K before predicting.
     pub smooth_k: bool,
-    /// Keep key block 0 in every row, counted in the budget; None = the default of the mode
-    /// (on when causal).
+    /// Keep key block 0 in every row, counted in the budget; None = the default (on).
     pub attention_sink: Option<bool>,
     /// Keep the diagonal key blocks and `w - 1` more on each side, counted in the budget;
-    /// Some(0) = off; None = the default of the mode (1 when causal, 0 otherwise).
+    /// Some(0) = off; None = the default of the mode (2 when causal, 0 otherwise).
     pub local_window: Option<i32>,
     /// Per-query-head overrides (length Hq). Host memory: CPU plans only here;
     /// for device arrays build a raw struct and use the `_raw` calls.
