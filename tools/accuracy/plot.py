@@ -52,17 +52,41 @@ def plot(data, png):
     fig.savefig(png, dpi=90)
 
 
+def _find(cap, est, topk, sink, window, topp=None):
+    for r in cap["rows"]:
+        if r["estimator"] == est and r["topk"] == topk and r["sink"] == sink and r["window"] == window \
+                and r["topp"] == topp:
+            return r
+    return None
+
+
 def tables(data):
-    out = []
-    out.append("| capture | setting | density | captured mass | rel. L1 | oracle rel. L1 | ratio | zero rows |")
-    out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+    """Two markdown tables: the defaults against the oracle, and the estimators."""
+    out = ["| capture | top-k | 0.1 defaults: density / rel. L1 / ×oracle | defaults: density / rel. L1 / "
+           "oracle / ×oracle | keys_lse: rel. L1 / ×oracle | zero rows |",
+           "|---|---:|---|---|---|---:|"]
     for cap in data:
-        for r in cap["rows"]:
-            if r["topk"] not in (0.2, 0.5):
+        s, w = (True, 2) if cap["causal"] else (True, 0)
+        for t in (0.2, 0.5):
+            old, new, lse = _find(cap, "mean", t, False, 0), _find(cap, "mean", t, s, w), _find(cap, "keys_lse", t, None, None)
+            if not (old and new and lse):
                 continue
-            out.append("| %s | %s | %.3f | %.3f | %.4f | %.4f | %.2f | %d |" % (
-                cap["capture"], r["setting"], r["pred_density"], r["pred_captured"], r["pred_rel_l1"],
-                r["oracle_rel_l1"], r["ratio_l1"], r["pred_zero_rows"]))
+            zero = old["pred_zero_rows"] + new["pred_zero_rows"] + lse["pred_zero_rows"]
+            out.append("| %s | %.1f | %.3f / %.3f / %.2f× | %.3f / %.4f / %.4f / **%.2f×** | %.4f / **%.2f×** | %d |" % (
+                cap["capture"], t, old["pred_density"], old["pred_rel_l1"], old["ratio_l1"], new["pred_density"],
+                new["pred_rel_l1"], new["oracle_rel_l1"], new["ratio_l1"], lse["pred_rel_l1"], lse["ratio_l1"], zero))
+    out += ["", "| capture | top-k | mean | keys_lse | pooled Q vs keys, max | 4 sampled rows | antidiagonal, stride 8 "
+            "| mean, top-p 0.9 (density) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for cap in data:
+        s, w = (True, 2) if cap["causal"] else (True, 0)
+        for t in (0.2, 0.5):
+            cells = []
+            for est in ("mean", "keys_lse", "pooledq_max", "rows4", "antidiag8"):
+                r = _find(cap, est, t, s, w) if est == "mean" else _find(cap, est, t, None, None)
+                cells.append("%.2f×" % r["ratio_l1"] if r else "—")
+            r = _find(cap, "mean", t, None, None, 0.9)
+            cells.append("%.2f× (%.3f)" % (r["ratio_l1"], r["pred_density"]) if r else "—")
+            out.append("| %s | %.1f | %s |" % (cap["capture"], t, " | ".join(cells)))
     return "\n".join(out) + "\n"
 
 
