@@ -37,6 +37,7 @@ def test_tuned_settings_meet_the_target(rng, tmp_path, metric, target, causal):
     T.write_tuned(path, [layer])
     got = sparge.load_tuned(path)["blk0"]
     assert got.mode == layer.mode and got.sink == layer.sink and got.window == layer.window
+    assert got.estimator == layer.estimator in ("mean", "keys_lse")
     np.testing.assert_allclose(got.values, layer.values, rtol=1e-5)
     for cap in caps:
         mask = sparge.predict_mask(cap.q[None], cap.k[None], is_causal=causal, precision="exact",
@@ -60,12 +61,14 @@ def test_a_tighter_target_costs_density(rng):
 
 @pytest.mark.parametrize("text,needle", [
     ("sparge-tune 2\n", "header"),
-    ("sparge-tune 1\nlayer a heads 2 causal 1 mode topk sink 1 window 1\ntopk 0.5\n", "expected 2"),
-    ("sparge-tune 1\nlayer a heads 2 causal 1 mode topk sink 1 window 1\ntopk 0.5 2\n", "(0, 1]"),
-    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1\ntopk 0.5\nsim_threshold 0\n", "no 'end'"),
-    ("sparge-tune 1\nlayer a heads 1 causal 1 mode cdf sink 1 window 1\ntopk 0.5\n", "mode cdf"),
+    ("sparge-tune 1\nlayer a heads 2 causal 1 mode topk sink 1 window 1 estimator mean\ntopk 0.5\n", "expected 2"),
+    ("sparge-tune 1\nlayer a heads 2 causal 1 mode topk sink 1 window 1 estimator mean\ntopk 0.5 2\n", "(0, 1]"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1 estimator mean\ntopk 0.5\nsim_threshold 0\n", "no 'end'"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode cdf sink 1 window 1 estimator mean\ntopk 0.5\n", "mode cdf"),
     ("sparge-tune 1\ntopk 0.5\n", "outside a layer"),
-    ("sparge-tune 1\nlayer a heads 1 causal 3 mode topk sink 1 window 1\n", "causal and sink"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1 estimator max\n", "estimator must be"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1\n", "expected 'layer"),
+    ("sparge-tune 1\nlayer a heads 1 causal 3 mode topk sink 1 window 1 estimator mean\n", "causal and sink"),
 ])
 def test_malformed_files(tmp_path, text, needle):
     p = tmp_path / "bad.txt"

@@ -4,8 +4,8 @@ From Q, K, V captured from a model's attention layers (``capture`` below, or too
 for each layer it searches, with the yardstick (``sparge.yardstick``: float64 dense attention as the
 reference, masks from ``sparge.predict_mask`` on the CPU backend):
 
-- per layer: the attention sink and local window (one value per call in the C ABI) and the mode
-  (top-k or CDF);
+- per layer: the attention sink and local window (one value per call in the C ABI), the mode (top-k or
+  CDF) and the block-importance estimator (mean or keys_lse);
 - per query head: the top-k fraction or CDF threshold and the self-similarity threshold,
 
 the combination of lowest block density whose output meets the target on every capture of the
@@ -16,7 +16,7 @@ Python package (``load_tuned``) and the Rust crate (``sparge::tuned``) read.
 File format (UTF-8 text, one item per line, ``#`` starts a comment)::
 
     sparge-tune 1
-    layer NAME heads HQ causal 0|1 mode topk|cdf sink 0|1 window W
+    layer NAME heads HQ causal 0|1 mode topk|cdf sink 0|1 window W estimator mean|keys_lse
     topk V1 ... VHQ                  (mode topk; or: cdf_threshold V1 ... VHQ)
     sim_threshold V1 ... VHQ
     measured rel_l1|cosine VALUE density VALUE target VALUE
@@ -55,6 +55,7 @@ class TunedLayer:
     window: int
     values: List[float]  # per head: top-k fraction or CDF threshold
     sim_threshold: List[float]
+    estimator: str = "mean"
     metric: str = "rel_l1"
     measured: float = float("nan")
     density: float = float("nan")
@@ -63,7 +64,7 @@ class TunedLayer:
     def kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of sparge.attention / sparge.predict_mask."""
         kw: Dict[str, Any] = dict(attention_sink=self.sink, local_window=self.window,
-                                  sim_threshold=list(self.sim_threshold))
+                                  sim_threshold=list(self.sim_threshold), estimator=self.estimator)
         if self.mode == "topk":
             kw.update(mode="topk", topk=list(self.values))
         else:
@@ -77,8 +78,8 @@ def write_tuned(path: str, layers: Sequence[TunedLayer]) -> None:
         for t in layers:
             if not t.name or any(c.isspace() for c in t.name):
                 raise ValueError("layer name %r: expected a non-empty name without spaces" % t.name)
-            f.write("layer %s heads %d causal %d mode %s sink %d window %d\n"
-                    % (t.name, t.heads, int(t.causal), t.mode, int(t.sink), t.window))
+            f.write("layer %s heads %d causal %d mode %s sink %d window %d estimator %s\n"
+                    % (t.name, t.heads, int(t.causal), t.mode, int(t.sink), t.window, t.estimator))
             f.write("%s %s\n" % ("topk" if t.mode == "topk" else "cdf_threshold", " ".join("%.6g" % v for v in t.values)))
             f.write("sim_threshold %s\n" % " ".join("%.6g" % v for v in t.sim_threshold))
             f.write("measured %s %.6g density %.6g target %.6g\n" % (t.metric, t.measured, t.density, t.target))
@@ -107,8 +108,9 @@ def load_tuned(path: str) -> Dict[str, TunedLayer]:
         if key == "layer":
             if cur is not None:
                 raise err(i, "'layer' before the previous layer's 'end'")
-            if len(w) != 12 or w[2::2] != ["heads", "causal", "mode", "sink", "window"]:
-                raise err(i, "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W'")
+            if len(w) != 14 or w[2::2] != ["heads", "causal", "mode", "sink", "window", "estimator"]:
+                raise err(i, "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W "
+                             "estimator mean|keys_lse'")
             try:
                 heads, causal, sink, window = int(w[3]), int(w[5]), int(w[9]), int(w[11])
             except ValueError:
@@ -117,9 +119,12 @@ def load_tuned(path: str) -> Dict[str, TunedLayer]:
                 raise err(i, "heads >= 1, causal and sink 0 or 1, window in [0, 1024] expected")
             if w[7] not in ("topk", "cdf"):
                 raise err(i, "mode must be topk or cdf, got %r" % w[7])
+            if w[13] not in ("mean", "keys_lse"):
+                raise err(i, "estimator must be mean or keys_lse, got %r" % w[13])
             if w[1] in out:
                 raise err(i, "layer %r appears twice" % w[1])
-            cur = dict(name=w[1], heads=heads, causal=bool(causal), mode=w[7], sink=bool(sink), window=window)
+            cur = dict(name=w[1], heads=heads, causal=bool(causal), mode=w[7], sink=bool(sink), window=window,
+                       estimator=w[13])
         elif cur is None:
             raise err(i, "%r outside a layer" % key)
         elif key in ("topk", "cdf_threshold", "sim_threshold"):
@@ -181,6 +186,7 @@ class _Cand:
     mode: str
     value: float
     sim: float
+    estimator: str
     metric: np.ndarray = field(default=None)   # [captures, heads]
     density: np.ndarray = field(default=None)  # [captures, heads]
 
@@ -196,8 +202,9 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
     if any(c.causal != causal or c.Hq != Hq for c in caps):
         raise ValueError("layer %s: captures differ in causality or head count" % name)
     sw = [(True, 1), (True, 2), (False, 1)] if causal else [(False, 0), (True, 0), (False, 1)]
-    cands = [_Cand(s, w, "topk", t, sim) for s, w in sw for t in topk_grid for sim in sim_grid]
-    cands += [_Cand(s, w, "cdf", c, sim) for s, w in sw for c in cdf_grid for sim in sim_grid]
+    ests = ("mean", "keys_lse")
+    cands = [_Cand(s, w, "topk", t, sim, e) for e in ests for s, w in sw for t in topk_grid for sim in sim_grid]
+    cands += [_Cand(s, w, "cdf", c, sim, e) for e in ests for s, w in sw for c in cdf_grid for sim in sim_grid]
     for c in cands:
         c.metric = np.zeros((len(caps), Hq))
         c.density = np.zeros((len(caps), Hq))
@@ -207,7 +214,8 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
         vis = Y.visible(Lq, Lkv, cap.causal)
         masks = []
         for c in cands:
-            st = Y.Setting(topk=c.value if c.mode == "topk" else None, cdf=c.value, sink=c.sink, window=c.window)
+            st = Y.Setting(topk=c.value if c.mode == "topk" else None, cdf=c.value, sink=c.sink, window=c.window,
+                           estimator=c.estimator)
             masks.append(_library_mask(cap, st, c.sim))
         for h in range(Hq):
             hp = Y.head_pass(cap, h)
@@ -219,27 +227,26 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
             if progress:
                 progress(name, done, steps)
     best: Optional[tuple] = None
-    for s, w in sw:
-        for mode in ("topk", "cdf"):
-            group = [c for c in cands if c.sink == s and c.window == w and c.mode == mode]
-            vals, sims, dens = [], [], []
-            for h in range(Hq):
-                worst = [c.metric[:, h].max() if metric == "rel_l1" else c.metric[:, h].min() for c in group]
-                ok = [(c.density[:, h].mean(), i) for i, c in enumerate(group) if _meets(metric, worst[i], target)]
-                if ok:
-                    d, i = min(ok)
-                    vals.append(group[i].value)
-                    sims.append(group[i].sim)
-                    dens.append(d)
-                else:  # nothing meets the target: keep every block
-                    vals.append(1.0)
-                    sims.append(-0.1)
-                    dens.append(1.0)
-            total = float(np.mean(dens))
-            if best is None or total < best[0] - 1e-12:
-                best = (total, s, w, mode, vals, sims)
-    total, s, w, mode, vals, sims = best
-    layer = TunedLayer(name, Hq, causal, mode, s, w, vals, sims, metric, target=target)
+    for (s, w), mode, est in ((x, m, e) for x in sw for m in ("topk", "cdf") for e in ests):
+        group = [c for c in cands if c.sink == s and c.window == w and c.mode == mode and c.estimator == est]
+        vals, sims, dens = [], [], []
+        for h in range(Hq):
+            worst = [c.metric[:, h].max() if metric == "rel_l1" else c.metric[:, h].min() for c in group]
+            ok = [(c.density[:, h].mean(), i) for i, c in enumerate(group) if _meets(metric, worst[i], target)]
+            if ok:
+                d, i = min(ok)
+                vals.append(group[i].value)
+                sims.append(group[i].sim)
+                dens.append(d)
+            else:  # nothing meets the target: keep every block
+                vals.append(1.0)
+                sims.append(-0.1)
+                dens.append(1.0)
+        total = float(np.mean(dens))
+        if best is None or total < best[0] - 1e-12:
+            best = (total, s, w, mode, vals, sims, est)
+    total, s, w, mode, vals, sims, est = best
+    layer = TunedLayer(name, Hq, causal, mode, s, w, vals, sims, est, metric, target=target)
     # the chosen per-head settings, measured on every capture in one library call each
     worst, dsum, n = None, 0.0, 0
     for cap in caps:
@@ -255,7 +262,7 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
 def _library_mask(cap: Y.Capture, st: Y.Setting, sim) -> np.ndarray:
     from . import _api
     kw = dict(is_causal=cap.causal, scale=cap.sc, precision="exact", attention_sink=st.sink,
-              local_window=st.window, sim_threshold=sim)
+              local_window=st.window, sim_threshold=sim, estimator=st.estimator)
     if st.topk is not None:
         kw.update(topk=st.topk)
     else:
@@ -314,8 +321,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, caps in groups.items():
         t = tune_layer(name, caps, metric, target, progress=_progress)
         layers.append(t)
-        print("  %-24s mode %s sink %d window %d: density %.3f, %s %.4f (target %g)"
-              % (name[:24], t.mode, t.sink, t.window, t.density, metric, t.measured, target))
+        print("  %-24s %s, mode %s, sink %d, window %d: density %.3f, %s %.4f (target %g)"
+              % (name[:24], t.estimator, t.mode, t.sink, t.window, t.density, metric, t.measured, target))
     write_tuned(a.out, layers)
     print("wrote %s (%d layers, %.0f s)" % (a.out, len(layers), time.time() - t0))
     return 0

@@ -242,6 +242,15 @@ impl Precision {
     }
 }
 
+/// Block-importance estimator (`sparge_estimator_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Estimator {
+    /// Mean-pooled Q and K (the original rule).
+    Mean,
+    /// Mean-pooled Q against every key, log-sum-exp per key block.
+    KeysLse,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SelectMode {
     /// Keep `max(1, floor(topk * visible + 1e-4))` blocks per row.
@@ -388,6 +397,8 @@ pub struct PredictParams {
     /// Keep the diagonal key blocks and `w - 1` more on each side, counted in the budget;
     /// Some(0) = off; None = the default of the mode (2 when causal, 0 otherwise).
     pub local_window: Option<i32>,
+    /// Block-importance estimator.
+    pub estimator: Estimator,
     /// Per-query-head overrides (length Hq). Host memory: CPU plans only here;
     /// for device arrays build a raw struct and use the `_raw` calls.
     pub topk_per_head: Option<Vec<f32>>,
@@ -408,6 +419,7 @@ impl Default for PredictParams {
             smooth_k: d.smooth_k != 0,
             attention_sink: None,
             local_window: None,
+            estimator: Estimator::Mean,
             topk_per_head: None,
             cdf_threshold_per_head: None,
             sim_threshold_per_head: None,
@@ -436,7 +448,10 @@ impl PredictParams {
             sim_threshold_per_head: p(&self.sim_threshold_per_head),
             pv_threshold: self.pv_threshold,
             local_window: self.local_window.unwrap_or(-1),
-            estimator: sys::SPARGE_ESTIMATOR_MEAN,
+            estimator: match self.estimator {
+                Estimator::Mean => sys::SPARGE_ESTIMATOR_MEAN,
+                Estimator::KeysLse => sys::SPARGE_ESTIMATOR_KEYS_LSE,
+            },
         }
     }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
-use crate::{PredictParams, SelectMode};
+use crate::{Estimator, PredictParams, SelectMode};
 
 /// One layer's tuned prediction settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +19,7 @@ pub struct TunedLayer {
     /// Per query head: top-k fraction (`SelectMode::TopK`) or CDF threshold (`SelectMode::Cdf`).
     pub values: Vec<f32>,
     pub sim_threshold: Vec<f32>,
+    pub estimator: Estimator,
     /// What the tuner measured for these settings (metric name, value, density, target).
     pub metric: String,
     pub measured: f64,
@@ -34,6 +35,7 @@ impl TunedLayer {
         p.mode = self.mode;
         p.attention_sink = Some(self.sink);
         p.local_window = Some(self.window);
+        p.estimator = self.estimator;
         match self.mode {
             SelectMode::TopK => p.topk_per_head = Some(self.values.clone()),
             SelectMode::Cdf => p.cdf_threshold_per_head = Some(self.values.clone()),
@@ -101,9 +103,17 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, TunedLayer>, TunedError> {
                     return err(i, "'layer' before the previous layer's 'end'");
                 }
                 let keys: Vec<&str> = w.iter().skip(2).step_by(2).copied().collect();
-                if w.len() != 12 || keys != ["heads", "causal", "mode", "sink", "window"] {
-                    return err(i, "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W'");
+                if w.len() != 14 || keys != ["heads", "causal", "mode", "sink", "window", "estimator"] {
+                    return err(
+                        i,
+                        "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W estimator mean|keys_lse'",
+                    );
                 }
+                let estimator = match w[13] {
+                    "mean" => Estimator::Mean,
+                    "keys_lse" => Estimator::KeysLse,
+                    e => return err(i, format!("estimator must be mean or keys_lse, got '{e}'")),
+                };
                 let int = |s: &str| s.parse::<i64>().ok();
                 let (heads, causal, sink, window) = match (int(w[3]), int(w[5]), int(w[9]), int(w[11])) {
                     (Some(a), Some(b), Some(c), Some(d)) => (a, b, c, d),
@@ -129,6 +139,7 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, TunedLayer>, TunedError> {
                     window: window as i32,
                     values: Vec::new(),
                     sim_threshold: Vec::new(),
+                    estimator,
                     metric: String::new(),
                     measured: f64::NAN,
                     density: f64::NAN,
@@ -195,7 +206,7 @@ pub fn load(path: impl AsRef<Path>) -> Result<BTreeMap<String, TunedLayer>, Box<
 mod tests {
     use super::*;
 
-    const GOOD: &str = "sparge-tune 1\n# comment\nlayer L0 heads 2 causal 1 mode cdf sink 1 window 2\n\
+    const GOOD: &str = "sparge-tune 1\n# comment\nlayer L0 heads 2 causal 1 mode cdf sink 1 window 2 estimator keys_lse\n\
         cdf_threshold 0.9 0.95\nsim_threshold -0.1 0.5\nmeasured rel_l1 0.05 density 0.3 target 0.06\nend\n";
 
     #[test]
@@ -212,6 +223,8 @@ mod tests {
         assert_eq!(p.cdf_threshold_per_head, Some(vec![0.9, 0.95]));
         assert_eq!(p.local_window, Some(2));
         assert_eq!(p.attention_sink, Some(true));
+        assert_eq!(p.estimator, Estimator::KeysLse);
+        assert_eq!(p.to_raw().estimator, crate::sys::SPARGE_ESTIMATOR_KEYS_LSE);
     }
 
     #[test]
@@ -223,6 +236,7 @@ mod tests {
             (GOOD.replace("window 2", "window x").as_str(), "integers"),
             (GOOD.replace("end\n", "").as_str(), "no 'end'"),
             (GOOD.replace("cdf_threshold", "topk").as_str(), "mode cdf"),
+            (GOOD.replace("keys_lse", "max").as_str(), "estimator must be"),
         ] {
             let e = parse(bad).unwrap_err();
             assert!(e.message.contains(needle), "{bad:?}: {e}");
