@@ -16,6 +16,8 @@
  * stderr (a refreshed line on a terminal, plain lines when piped). stdout is
  * line buffered and flushed before anything goes to stderr, so the two stay in
  * order when both go to one pipe.
+ * `sparge tune ...` runs the Python tuning command instead (python3 -m sparge tune ...; $SPARGE_PYTHON
+ * chooses the interpreter), which needs the sparge Python package on its path.
  *
  * Exit status: 0 success, 1 a library or runtime call failed, 2 bad usage,
  * 3 an accuracy gate (--min-cos) was missed.
@@ -238,6 +240,7 @@ typedef struct {
   int use_cdf;
   float topk, cdf, sim_threshold;
   int sink, smooth_k;
+  int window; /* -1: the default of the mode */
   int iters, warmup; /* -1: default for the device */
   uint64_t seed;
   int nhd;
@@ -304,7 +307,8 @@ static void usage(FILE* f) {
           "  --topk X               keep fraction of blocks per row, (0, 1] (default 0.5)\n"
           "  --cdf X                select by cumulative probability X instead of top-k\n"
           "  --sim-threshold X      self-similarity threshold (default -0.1: off)\n"
-          "  --sink                 always keep the first key block\n"
+          "  --sink | --no-sink     keep the first key block (counted in the budget; default: on)\n"
+          "  --window W             keep the diagonal key blocks and W-1 more per side (default: 2 when causal)\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
           "  --precision int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
           "                         (default int8_fp8; int8_fp8_split_v: V as two e4m3 terms,\n"
@@ -359,6 +363,8 @@ static void parse_args(int argc, char** argv, options_t* o) {
   o->cdf = 0.9f;
   o->sim_threshold = -0.1f;
   o->smooth_k = 1;
+  o->sink = -1;
+  o->window = -1;
   o->iters = o->warmup = -1;
   o->rows = 128;
   o->min_cos = -1.0;
@@ -445,6 +451,13 @@ static void parse_args(int argc, char** argv, options_t* o) {
       o->sim_threshold = parse_f(flag, VALUE());
     } else if (!strcmp(flag, "--sink")) {
       o->sink = 1;
+    } else if (!strcmp(flag, "--no-sink")) {
+      o->sink = 0;
+    } else if (!strcmp(flag, "--window")) {
+      int64_t w;
+      parse_i64(flag, VALUE(), 0, &w);
+      if (w > 1024) die(2, "--window: expected an integer in [0, 1024], got %lld", (long long)w);
+      o->window = (int)w;
     } else if (!strcmp(flag, "--no-smooth-k")) {
       o->smooth_k = 0;
     } else if (!strcmp(flag, "--precision")) {
@@ -943,6 +956,23 @@ static void print_time(double sec) {
     say("%10.3f s ", sec);
 }
 
+/* `sparge tune ARGS`: python3 -m sparge tune ARGS (the tuner is Python: numpy, the yardstick). */
+static int run_tune(int argc, char** argv) {
+  const char* py = getenv("SPARGE_PYTHON");
+  char** args = (char**)calloc((size_t)argc + 4, sizeof(char*));
+  int i;
+  if (!py || !*py) py = "python3";
+  if (!args) die(1, "out of memory");
+  args[0] = (char*)py;
+  args[1] = (char*)"-m";
+  args[2] = (char*)"sparge";
+  for (i = 1; i < argc; ++i) args[2 + i] = argv[i];
+  execvp(py, args);
+  fprintf(stderr, "sparge tune: cannot run %s -m sparge tune (set SPARGE_PYTHON, install the sparge Python package)\n",
+          py);
+  return 1;
+}
+
 int main(int argc, char** argv) {
   options_t o;
   sparge_problem_t prob = SPARGE_PROBLEM_INIT;
@@ -958,6 +988,7 @@ int main(int argc, char** argv) {
   size_t qn, kvn, esz, mask_bytes;
   buf_t dq, dk, dv, dos, dod, dmask, dones, dkept, dws;
   void *hq, *hk, *hv, *hos, *hod;
+  if (argc >= 2 && !strcmp(argv[1], "tune")) return run_tune(argc, argv);
   uint8_t* hmask;
   int32_t* hkept;
   double sec[kNumCalls], flops, density, kmin = 1e300, kmax = -1e300;
@@ -1029,6 +1060,7 @@ int main(int argc, char** argv) {
   c.params.sim_threshold = o.sim_threshold;
   c.params.smooth_k = o.smooth_k;
   c.params.attention_sink = o.sink;
+  c.params.local_window = o.window;
 
   say("problem   : B=%lld Hq=%lld Hkv=%lld Lq=%lld Lkv=%lld D=%lld %s, layout %s, %s, scale %.6g\n",
          (long long)o.B, (long long)o.H, (long long)o.Hkv, (long long)o.L, (long long)o.Lkv, (long long)o.D,
@@ -1037,7 +1069,8 @@ int main(int argc, char** argv) {
     say("sparsity  : precision %s, select cdf %.3g", precision_name(resolved.precision), (double)o.cdf);
   else
     say("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
-  say(", sim_threshold %.3g, smooth_k %d, sink %d\n", (double)o.sim_threshold, o.smooth_k, o.sink);
+  say(", sim_threshold %.3g, smooth_k %d, sink %d, window %d\n", (double)o.sim_threshold, o.smooth_k,
+      o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 0));
   say("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
   say("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));

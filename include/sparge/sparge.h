@@ -99,6 +99,12 @@ typedef enum sparge_select_mode {
   SPARGE_SELECT_CDF = 1    /* keep the smallest set with probability >= cdf_threshold */
 } sparge_select_mode_t;
 
+/* Block-importance estimator of the prediction (docs/SEMANTICS.md, "Mask prediction"). */
+typedef enum sparge_estimator {
+  SPARGE_ESTIMATOR_MEAN = 0,     /* softmax of scale * mean(q block) . mean(k' block) (SpargeAttn) */
+  SPARGE_ESTIMATOR_KEYS_LSE = 1  /* softmax of log sum_{j in block} exp(scale * mean(q block) . k_j) */
+} sparge_estimator_t;
+
 /* ------------------------------------------------------------------ tensors */
 /* A borrowed, strided view of a tensor (compatible in spirit with DLPack's
  * DLTensor: pointer, device, dtype, shape and strides in ELEMENTS).
@@ -150,7 +156,8 @@ typedef struct sparge_predict_params {
   float sim_threshold;            /* blocks with self-similarity < this are kept
                                      whole (non-compressible); <= 0 disables     */
   int32_t smooth_k;               /* subtract the per-head mean of K            */
-  int32_t attention_sink;         /* always keep key block 0                    */
+  int32_t attention_sink;         /* -1: the default of the mode; 0: off; other:
+                                     keep key block 0 (counted in the budget)      */
   /* Optional per-head overrides, length Hq, in the plan's memory space (host
    * memory for CPU plans, device memory for CUDA plans); NULL = use the scalar. */
   const float* topk_per_head;
@@ -158,11 +165,17 @@ typedef struct sparge_predict_params {
   const float* sim_threshold_per_head;
   float pv_threshold;             /* PV skip; 0 (default) = off. Positive values
                                      are reserved: SPARGE_ERR_UNSUPPORTED today  */
+  /* --- since 0.2 (read only when struct_size covers them; older callers get
+   *     the defaults of the mode) */
+  int32_t local_window;           /* w >= 1: keep the key blocks on the diagonal and
+                                     w - 1 more on each side (counted in the budget);
+                                     0: off; -1: the default of the mode           */
+  sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_MEAN (default), _KEYS_LSE    */
 } sparge_predict_params_t;
 
 #define SPARGE_PREDICT_PARAMS_INIT                                                  \
-  { sizeof(sparge_predict_params_t), SPARGE_SELECT_TOPK, 0.5f, 0.9f, -0.1f, 1, 0,    \
-    NULL, NULL, NULL, 0.0f }
+  { sizeof(sparge_predict_params_t), SPARGE_SELECT_TOPK, 0.5f, 0.9f, -0.1f, 1, -1,   \
+    NULL, NULL, NULL, 0.0f, -1, SPARGE_ESTIMATOR_MEAN }
 
 /* ------------------------------------------------------------------ API */
 typedef struct sparge_plan* sparge_plan_t;

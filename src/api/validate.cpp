@@ -3,6 +3,7 @@
 #include "core/kernel_traits.hpp"
 
 #include <cinttypes>
+#include <cstddef>
 #include <cmath>
 #include <initializer_list>
 
@@ -278,11 +279,22 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   const sparge_status_t INV = SPARGE_ERR_INVALID_ARGUMENT;
   const sparge_predict_params_t defaults = SPARGE_PREDICT_PARAMS_INIT;
   const sparge_predict_params_t& in = params ? *params : defaults;
-  if (in.struct_size < sizeof(sparge_predict_params_t))
+  // 0.1 layout: up to pv_threshold; 0.2 adds local_window and estimator.
+  const size_t v1_size = offsetof(sparge_predict_params_t, local_window);
+  const bool has_v2 = in.struct_size >= sizeof(sparge_predict_params_t);
+  if (in.struct_size < v1_size)
     return fail(INV,
                 "params->struct_size is %zu, expected >= %zu (sizeof(sparge_predict_params_t); use "
                 "SPARGE_PREDICT_PARAMS_INIT)",
                 in.struct_size, sizeof(sparge_predict_params_t));
+  const int32_t window = has_v2 ? in.local_window : -1;
+  const int32_t estimator = has_v2 ? raw_enum(in.estimator) : int32_t(SPARGE_ESTIMATOR_MEAN);
+  if (window < -1 || window > 1024)
+    return fail(INV, "params->local_window is %d, expected -1 (default of the mode), 0 (off) or 1..1024",
+                int(window));
+  if (estimator != SPARGE_ESTIMATOR_MEAN && estimator != SPARGE_ESTIMATOR_KEYS_LSE)
+    return fail(INV, "params->estimator is %d, expected SPARGE_ESTIMATOR_MEAN (0) or SPARGE_ESTIMATOR_KEYS_LSE (1)",
+                int(estimator));
   const int32_t mode = raw_enum(in.mode);
   if (mode != SPARGE_SELECT_TOPK && mode != SPARGE_SELECT_CDF)
     return fail(INV, "params->mode is %d, expected SPARGE_SELECT_TOPK (0) or SPARGE_SELECT_CDF (1)", int(mode));
@@ -307,7 +319,10 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   c.cdf_threshold = in.cdf_threshold;
   c.sim_threshold = in.sim_threshold;
   c.smooth_k = in.smooth_k != 0;
-  c.attention_sink = in.attention_sink != 0;
+  const bool causal = plan.prob.causal;
+  c.attention_sink = in.attention_sink == -1 ? default_sink(causal) : in.attention_sink != 0;
+  c.local_window = window == -1 ? default_local_window(causal) : window;
+  c.estimator = sparge_estimator_t(estimator);
   c.topk_per_head = mode == SPARGE_SELECT_TOPK ? in.topk_per_head : nullptr;
   c.cdf_per_head = mode == SPARGE_SELECT_CDF ? in.cdf_threshold_per_head : nullptr;
   c.sim_per_head = in.sim_threshold_per_head;

@@ -88,7 +88,9 @@ struct PredictConfig {
   float cdf_threshold = 0.9f;
   float sim_threshold = -0.1f;
   bool smooth_k = true;
-  bool attention_sink = false;
+  bool attention_sink = false;  // resolved (the mode's default applied)
+  int32_t local_window = 0;     // resolved, >= 0
+  sparge_estimator_t estimator = SPARGE_ESTIMATOR_MEAN;
   const float* topk_per_head = nullptr;
   const float* cdf_per_head = nullptr;
   const float* sim_per_head = nullptr;
@@ -109,6 +111,42 @@ SPARGE_HD int64_t visible_key_blocks(const Problem& p, int64_t qb) {
   if (last_key < 0) return 0;
   if (last_key > p.Lkv - 1) last_key = p.Lkv - 1;
   return last_key / p.BK + 1;
+}
+
+// Blocks kept before any ranking, counted in the row's budget (docs/SEMANTICS.md, "Mask
+// prediction", step 4): the attention sink (key block 0), the local window around the diagonal
+// and, with causality, the first diagonal block, which every row of the query block that sees any
+// key also sees (so no such row is left without a kept key).
+// The defaults of attention_sink / local_window = -1, per mode (chosen on captured activations:
+// docs/ACCURACY.md, "Predicted masks").
+inline bool default_sink(bool /*causal*/) { return true; }
+inline int32_t default_local_window(bool causal) { return causal ? 2 : 0; }
+
+struct BudgetForced {
+  int64_t lo = 1, hi = 0;  // key block range [lo, hi] (empty when lo > hi)
+  bool sink = false;
+  SPARGE_HD bool has(int64_t kb) const { return (sink && kb == 0) || (kb >= lo && kb <= hi); }
+};
+
+SPARGE_HD BudgetForced budget_forced(const Problem& p, const PredictConfig& c, int64_t qb) {
+  BudgetForced f;
+  f.sink = c.attention_sink;
+  // diagonal: the key blocks holding key i + (Lkv - Lq) for the rows i of qb, clamped to the keys
+  const int64_t r0 = qb * p.BQ;
+  int64_t r1 = r0 + p.BQ - 1;
+  if (r1 > p.Lq - 1) r1 = p.Lq - 1;
+  int64_t k0 = r0 + (p.Lkv - p.Lq), k1 = r1 + (p.Lkv - p.Lq);
+  k0 = k0 < 0 ? 0 : (k0 > p.Lkv - 1 ? p.Lkv - 1 : k0);
+  k1 = k1 < 0 ? 0 : (k1 > p.Lkv - 1 ? p.Lkv - 1 : k1);
+  const int64_t first = k0 / p.BK, last = k1 / p.BK;
+  if (c.local_window > 0) {
+    f.lo = first - (c.local_window - 1);
+    f.hi = last + (c.local_window - 1);
+    if (f.lo < 0) f.lo = 0;
+  } else if (p.causal) {
+    f.lo = f.hi = first;
+  }
+  return f;
 }
 
 // Blocks kept by top-k among `visible` candidates.

@@ -96,8 +96,10 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   parallel_for(p.B * p.Hq, [&](int64_t bh) {
     const int64_t b = bh / p.Hq, h = bh % p.Hq;
     const int64_t bhk = b * p.Hkv + h / p.group();
-    std::vector<float> qh;
+    std::vector<float> qh, kraw;
     load_head(q, b, h, qh);
+    const bool keys_lse = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE;
+    if (keys_lse) load_head(k, b, h / p.group(), kraw);  // raw keys (a shift of K moves a row's scores alike)
     for (int64_t qb = 0; qb < nQB; ++qb) {
       const int64_t r0 = qb * p.BQ, r1 = std::min(p.Lq, r0 + p.BQ);
       pool_block(qh.data(), D, r0, r1, pooled_q + (bh * nQB + qb) * D, sim_q + bh * nQB + qb);
@@ -112,6 +114,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
     std::vector<double> e(static_cast<size_t>(nKB));
     std::vector<int64_t> order(static_cast<size_t>(nKB));
     std::vector<uint8_t> keep(static_cast<size_t>(nKB));
+    std::vector<double> sc(static_cast<size_t>(p.BK));
     for (int64_t qb = 0; qb < nQB; ++qb) {
       const int64_t vis = visible_key_blocks(p, qb);
       const float* pq = pooled_q + (bh * nQB + qb) * D;
@@ -121,10 +124,29 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
       if (vis > 0) {
         // 3. scores and softmax over the visible entries
         double mx = -INFINITY;
+        // keys visible to the block's last row (KEYS_LSE)
+        const int64_t last_key = p.causal ? causal_last_key(std::min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv)
+                                          : p.Lkv - 1;
         for (int64_t kb = 0; kb < vis; ++kb) {
-          double s = 0.0;
-          for (int64_t c = 0; c < D; ++c) s += double(pq[c]) * double(pk[kb * D + c]);
-          const float sf = float(double(p.scale) * s);
+          float sf;
+          if (keys_lse) {
+            // log sum_j exp(scale * pq . k_j) over the block's keys, each score rounded to float32
+            const int64_t j0 = kb * p.BK, j1 = std::min({p.Lkv, j0 + p.BK, last_key + 1});
+            double m = -INFINITY;
+            for (int64_t j = j0; j < j1; ++j) {
+              double d = 0.0;
+              for (int64_t c = 0; c < D; ++c) d += double(pq[c]) * double(kraw[size_t(j * D + c)]);
+              sc[size_t(j - j0)] = double(float(double(p.scale) * d));
+              m = std::max(m, sc[size_t(j - j0)]);
+            }
+            double sum = 0.0;
+            for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[size_t(j - j0)] - m);
+            sf = j1 > j0 ? float(m + std::log(sum)) : -INFINITY;
+          } else {
+            double s = 0.0;
+            for (int64_t c = 0; c < D; ++c) s += double(pq[c]) * double(pk[kb * D + c]);
+            sf = float(double(p.scale) * s);
+          }
           e[size_t(kb)] = sf;
           mx = std::max(mx, double(sf));
         }
@@ -136,19 +158,26 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           tot += e[size_t(kb)];
         }
         for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
-        // 4. selection: probability descending, ties by lower block index
+        // 4. selection: the budget's forced blocks first (sink, local window, causal
+        // diagonal), then probability descending, ties by lower block index
+        const BudgetForced fb = budget_forced(p, cfg, qb);
+        int64_t nforced = 0;
+        for (int64_t kb = 0; kb < vis; ++kb) nforced += fb.has(kb) ? 1 : 0;
         std::iota(order.begin(), order.begin() + vis, int64_t(0));
-        std::stable_sort(order.begin(), order.begin() + vis,
-                         [&](int64_t a, int64_t c) { return P[a] > P[c]; });
+        std::stable_sort(order.begin(), order.begin() + vis, [&](int64_t a, int64_t c) {
+          const bool fa = fb.has(a), fc = fb.has(c);
+          if (fa != fc) return fa;
+          return !fa && P[a] > P[c];
+        });
         int64_t n = 0;
         if (cfg.mode == SPARGE_SELECT_TOPK) {
-          n = topk_count(topk, vis);
+          n = std::max(topk_count(topk, vis), nforced);
         } else {
           double acc = 0.0;
           while (n < vis) {
             acc += double(P[order[size_t(n)]]);
             ++n;
-            if (acc >= double(cdf)) break;
+            if (n >= nforced && acc >= double(cdf)) break;
           }
         }
         for (int64_t t = 0; t < n; ++t) keep[size_t(order[size_t(t)])] = 1;
@@ -157,7 +186,6 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;
         for (int64_t kb = 0; kb < vis; ++kb)
           if (sk[kb] < sim_thr) keep[size_t(kb)] = 1;
-        if (cfg.attention_sink) keep[0] = 1;
       }
       // 6. write the whole row (invisible blocks are 0)
       for (int64_t kb = 0; kb < nKB; ++kb) {

@@ -4,6 +4,8 @@
 #include "catch_compat.hpp"
 
 #include <algorithm>
+#include <climits>
+#include <cstddef>
 #include <cmath>
 #include <numeric>
 
@@ -99,6 +101,32 @@ std::vector<int64_t> kept_blocks(const Pred& p, int64_t b, int64_t h, int64_t qb
   return r;
 }
 
+// Test-side forced blocks of the budget: the sink (key block 0), the local window (the key
+// blocks holding the diagonal keys i + Lkv - Lq of the block's rows, and w - 1 more on each side)
+// and, causal, the first diagonal block. sink / window -1: the documented defaults of the mode.
+std::vector<bool> budget_forced_blocks(const Pred& p, int64_t qb, int sink, int window) {
+  const bool causal = p.prob.causal != 0;
+  if (sink < 0) sink = 1;
+  if (window < 0) window = causal ? 2 : 0;
+  const int64_t vis = visible(p, qb), Lq = p.prob.len_q, Lkv = p.prob.len_kv;
+  std::vector<bool> f(static_cast<size_t>(vis), false);
+  if (vis == 0) return f;
+  if (sink) f[0] = true;
+  int64_t first = INT64_MAX, last = -1;
+  for (int64_t i = qb * p.BQ; i < std::min(Lq, qb * p.BQ + p.BQ); ++i) {
+    const int64_t j = std::min(std::max<int64_t>(i + Lkv - Lq, 0), Lkv - 1);
+    first = std::min(first, j / p.BK);
+    last = std::max(last, j / p.BK);
+  }
+  if (window > 0) {
+    for (int64_t kb = first - (window - 1); kb <= last + (window - 1); ++kb)
+      if (kb >= 0 && kb < vis) f[size_t(kb)] = true;
+  } else if (causal && first < vis) {
+    f[size_t(first)] = true;
+  }
+  return f;
+}
+
 int64_t topk_n(float topk, int64_t vis) {
   if (vis == 0) return 0;
   return std::min(vis, std::max<int64_t>(1, int64_t(double(topk) * double(vis) + 1e-4)));
@@ -121,78 +149,106 @@ void check_masks_binary_and_kept(const Pred& p) {
 
 }  // namespace
 
-TEST_CASE("top-k keeps exactly max(1, floor(topk * visible)) blocks, the highest ones", "[cpu][predict]") {
+TEST_CASE("top-k keeps max(1, floor(topk * visible)) blocks: the budget's forced ones, then the highest",
+          "[cpu][predict]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
+  const int sw[][2] = {{0, 0}, {1, 0}, {0, 1}, {1, 2}, {-1, -1}};
   for (bool causal : {false, true})
-    for (float topk : {0.05f, 0.3f, 0.5f, 1.0f}) {
-      INFO("causal " << causal << " topk " << topk);
-      Pred p = make_pred(2, 4, 2, 600, 640, 32, 64, 64, causal, rng);
-      Plan plan(p.prob);
-      sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
-      params.topk = topk;
-      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
-      check_masks_binary_and_kept(p);
-      int64_t checked_sets = 0;
-      for (int64_t b = 0; b < 2; ++b)
-        for (int64_t h = 0; h < 4; ++h)
-          for (int64_t qb = 0; qb < p.nQB; ++qb) {
-            const int64_t vis = visible(p, qb), n = topk_n(topk, vis);
-            const auto kept = kept_blocks(p, b, h, qb);
-            REQUIRE(int64_t(kept.size()) == n);
-            // the kept set is the n most probable (skip rows with a near tie at the cut)
-            const auto P = block_probs(p, b, h, qb, true);
-            std::vector<double> sorted(P);
-            std::sort(sorted.rbegin(), sorted.rend());
-            if (n < vis && sorted[size_t(n - 1)] - sorted[size_t(n)] < 1e-5 * sorted[0]) continue;
-            for (int64_t kb : kept) CHECK(P[size_t(kb)] >= sorted[size_t(n - 1)]);
-            ++checked_sets;
-          }
-      CHECK(checked_sets > 0);
-    }
+    for (float topk : {0.05f, 0.3f, 0.5f, 1.0f})
+      for (const auto& sinkwin : sw) {
+        INFO("causal " << causal << " topk " << topk << " sink " << sinkwin[0] << " window " << sinkwin[1]);
+        Pred p = make_pred(2, 4, 2, 600, 640, 32, 64, 64, causal, rng);
+        Plan plan(p.prob);
+        sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+        params.topk = topk;
+        params.attention_sink = sinkwin[0];
+        params.local_window = sinkwin[1];
+        REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+        check_masks_binary_and_kept(p);
+        int64_t checked_sets = 0;
+        for (int64_t b = 0; b < 2; ++b)
+          for (int64_t h = 0; h < 4; ++h)
+            for (int64_t qb = 0; qb < p.nQB; ++qb) {
+              const int64_t vis = visible(p, qb);
+              const auto F = budget_forced_blocks(p, qb, sinkwin[0], sinkwin[1]);
+              const int64_t nf = std::count(F.begin(), F.end(), true);
+              const int64_t n = std::max(topk_n(topk, vis), nf);
+              const auto kept = kept_blocks(p, b, h, qb);
+              REQUIRE(int64_t(kept.size()) == n);
+              std::vector<bool> in(size_t(p.nKB), false);
+              for (int64_t kb : kept) in[size_t(kb)] = true;
+              for (int64_t kb = 0; kb < vis; ++kb)
+                if (F[size_t(kb)]) REQUIRE(in[size_t(kb)]);
+              // the rest is the n - nf most probable of the others (skip rows with a near tie at the cut)
+              const auto P = block_probs(p, b, h, qb, true);
+              std::vector<double> others;
+              for (int64_t kb = 0; kb < vis; ++kb)
+                if (!F[size_t(kb)]) others.push_back(P[size_t(kb)]);
+              std::sort(others.rbegin(), others.rend());
+              const int64_t m = n - nf, no = int64_t(others.size());
+              if (m == 0) continue;
+              if (m < no && others[size_t(m - 1)] - others[size_t(m)] < 1e-5 * others[0]) continue;
+              for (int64_t kb : kept)
+                if (!F[size_t(kb)]) CHECK(P[size_t(kb)] >= others[size_t(m - 1)]);
+              ++checked_sets;
+            }
+        if (topk >= 0.5f) CHECK(checked_sets > 0);
+      }
 }
 
-TEST_CASE("CDF mode keeps the smallest set reaching the threshold (brute force)", "[cpu][predict]") {
+TEST_CASE("CDF mode keeps the smallest set holding the forced blocks and reaching the threshold (brute force)",
+          "[cpu][predict]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
+  const int sw[][2] = {{0, 0}, {1, 0}, {0, 2}, {-1, -1}};
   for (bool causal : {false, true})
-    for (float thr : {0.3f, 0.7f, 0.95f, 1.0f}) {
-      INFO("causal " << causal << " cdf " << thr);
-      Pred p = make_pred(1, 3, 3, 320, 320, 16, 32, 32, causal, rng);  // nKB = 10
-      Plan plan(p.prob);
-      sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
-      params.mode = SPARGE_SELECT_CDF;
-      params.cdf_threshold = thr;
-      params.topk = 0.0f;  // not used in CDF mode
-      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
-      check_masks_binary_and_kept(p);
-      for (int64_t h = 0; h < 3; ++h)
-        for (int64_t qb = 0; qb < p.nQB; ++qb) {
-          const auto P = block_probs(p, 0, h, qb, true);
-          const int64_t vis = int64_t(P.size());
-          // brute force: the smallest subset size whose probability reaches thr,
-          // and whether a near-threshold subset makes the answer ambiguous
-          int64_t best = vis;
-          bool ambiguous = false;
-          for (uint32_t s = 1; s < (1u << vis); ++s) {
+    for (float thr : {0.3f, 0.7f, 0.95f, 1.0f})
+      for (const auto& sinkwin : sw) {
+        INFO("causal " << causal << " cdf " << thr << " sink " << sinkwin[0] << " window " << sinkwin[1]);
+        Pred p = make_pred(1, 3, 3, 320, 320, 16, 32, 32, causal, rng);  // nKB = 10
+        Plan plan(p.prob);
+        sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+        params.mode = SPARGE_SELECT_CDF;
+        params.cdf_threshold = thr;
+        params.topk = 0.0f;  // not used in CDF mode
+        params.attention_sink = sinkwin[0];
+        params.local_window = sinkwin[1];
+        REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+        check_masks_binary_and_kept(p);
+        for (int64_t h = 0; h < 3; ++h)
+          for (int64_t qb = 0; qb < p.nQB; ++qb) {
+            const auto P = block_probs(p, 0, h, qb, true);
+            const int64_t vis = int64_t(P.size());
+            const auto F = budget_forced_blocks(p, qb, sinkwin[0], sinkwin[1]);
+            uint32_t fmask = 0;
+            for (int64_t i = 0; i < vis; ++i) fmask |= F[size_t(i)] ? (1u << i) : 0u;
+            // brute force: the smallest superset of the forced blocks whose probability reaches thr,
+            // and whether a near-threshold subset makes the answer ambiguous
+            int64_t best = vis;
+            bool ambiguous = false;
+            for (uint32_t s = 1; s < (1u << vis); ++s) {
+              if ((s & fmask) != fmask) continue;
+              double sum = 0;
+              for (int64_t i = 0; i < vis; ++i)
+                if (s >> i & 1) sum += P[size_t(i)];
+              const int64_t n = __builtin_popcount(s);
+              if (std::fabs(sum - thr) < 1e-5) ambiguous = true;
+              if (sum >= thr) best = std::min(best, n);
+            }
+            const auto kept = kept_blocks(p, 0, h, qb);
+            if (ambiguous) continue;
+            INFO("h " << h << " qb " << qb);
+            CHECK(int64_t(kept.size()) == std::max<int64_t>(1, best));
             double sum = 0;
-            for (int64_t i = 0; i < vis; ++i)
-              if (s >> i & 1) sum += P[size_t(i)];
-            const int64_t n = __builtin_popcount(s);
-            if (std::fabs(sum - thr) < 1e-5) ambiguous = true;
-            if (sum >= thr) best = std::min(best, n);
+            for (int64_t kb : kept) sum += P[size_t(kb)];
+            CHECK(sum >= thr - 1e-6);
+            for (int64_t kb = 0; kb < vis; ++kb)
+              if (F[size_t(kb)]) CHECK(p.mask.get(0, h, qb, kb) != 0.0f);
           }
-          const auto kept = kept_blocks(p, 0, h, qb);
-          if (ambiguous) continue;
-          INFO("h " << h << " qb " << qb);
-          CHECK(int64_t(kept.size()) == std::max<int64_t>(1, best));
-          double sum = 0;
-          for (int64_t kb : kept) sum += P[size_t(kb)];
-          CHECK(sum >= thr - 1e-6);
-        }
-    }
+      }
 }
 
 TEST_CASE("non-compressible Q and K blocks are kept whole; sink keeps key block 0", "[cpu][predict]") {
@@ -211,6 +267,7 @@ TEST_CASE("non-compressible Q and K blocks are kept whole; sink keeps key block 
   sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
   params.topk = 0.1f;  // one block per row
   params.sim_threshold = 0.5f;
+  params.attention_sink = 0;
   REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
   check_masks_binary_and_kept(p);
   for (int64_t h = 0; h < 2; ++h)
@@ -234,14 +291,14 @@ TEST_CASE("non-compressible Q and K blocks are kept whole; sink keeps key block 
       CHECK(kept.size() == 1);
       if (kept[0] != 0) some_row_without_block0 = true;
     }
-  // Sink: block 0 in every row, added on top of the selection.
+  // Sink: block 0 in every row, counted in the budget (one block per row: the sink only).
   params.attention_sink = 1;
   REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
   for (int64_t h = 0; h < 2; ++h)
     for (int64_t qb = 0; qb < 8; ++qb) {
       const auto kept = kept_blocks(p, 0, h, qb);
+      REQUIRE(kept.size() == 1);
       CHECK(kept[0] == 0);
-      CHECK(kept.size() <= 2);
     }
   CHECK(some_row_without_block0);
 }
@@ -336,8 +393,11 @@ TEST_CASE("other block sizes and the default 128 x 64", "[cpu][predict]") {
       params.topk = 0.4f;
       REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
       check_masks_binary_and_kept(p);
-      for (int64_t qb = 0; qb < p.nQB; ++qb)
-        CHECK(int64_t(kept_blocks(p, 0, 1, qb).size()) == topk_n(0.4f, visible(p, qb)));
+      for (int64_t qb = 0; qb < p.nQB; ++qb) {
+        const auto F = budget_forced_blocks(p, qb, -1, -1);
+        const int64_t nf = std::count(F.begin(), F.end(), true);
+        CHECK(int64_t(kept_blocks(p, 0, 1, qb).size()) == std::max(nf, topk_n(0.4f, visible(p, qb))));
+      }
       sparge_problem_t got = SPARGE_PROBLEM_INIT;
       REQUIRE(sparge_plan_get_problem(plan.p, &got) == SPARGE_OK);
       CHECK(got.block_q == bs.bq);
@@ -358,6 +418,15 @@ TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved",
   int64_t n = 0;
   for (int64_t qb = 0; qb < 3; ++qb) n += int64_t(kept_blocks(p, 0, 0, qb).size());
   CHECK(n == 3 * topk_n(0.5f, 11));
+  // A caller compiled against the 0.1 layout (struct_size without local_window and estimator):
+  // those fields are not read, the defaults of the mode apply.
+  const auto mask_default = p.mask.snapshot();
+  sparge_predict_params_t old = SPARGE_PREDICT_PARAMS_INIT;
+  old.struct_size = offsetof(sparge_predict_params_t, local_window);
+  old.local_window = -7;
+  old.estimator = sparge_estimator_t(99);
+  REQUIRE(run_predict(plan, p.q, p.k, &old, p.mask, nullptr) == SPARGE_OK);
+  CHECK(p.mask.snapshot() == mask_default);
   sparge_problem_t got = SPARGE_PROBLEM_INIT;
   REQUIRE(sparge_plan_get_problem(plan.p, &got) == SPARGE_OK);
   CHECK(got.block_q == 128);
@@ -375,4 +444,135 @@ TEST_CASE("top-k with a decimal fraction keeps the expected count (0.7 of 10 blo
   CHECK(sparge::topk_count(0.01f, 10) == 1);
   CHECK(sparge::topk_count(1.0f, 10) == 10);
   CHECK(sparge::topk_count(0.5f, 0) == 0);
+}
+
+// Every query row that sees a key keeps a visible key: mask level over block sizes and length
+// mismatches (any sink / window / mode), and output level (no exact-zero row, finite LSE) at
+// L = 256 and 4096 with the defaults (params NULL).
+TEST_CASE("causal prediction leaves no query row without a kept visible key", "[cpu][predict][causal]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct Sh {
+    int64_t lq, lkv;
+    int bq, bk;
+  };
+  for (Sh sh : {Sh{256, 256, 128, 64}, Sh{1000, 1000, 128, 64}, Sh{300, 700, 128, 64}, Sh{700, 300, 128, 64},
+                Sh{513, 513, 64, 128}, Sh{200, 200, 17, 5}}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      INFO("Lq " << sh.lq << " Lkv " << sh.lkv << " BQ " << sh.bq << " BK " << sh.bk << " setting " << mode);
+      Pred p = make_pred(1, 2, 1, sh.lq, sh.lkv, 16, sh.bq, sh.bk, true, rng);
+      fill_random(p.q, rng);  // unstructured: the pooled ranking is arbitrary
+      fill_random(p.k, rng);
+      Plan plan(p.prob);
+      sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+      params.topk = 1e-6f;  // one block per row
+      if (mode == 1) params.attention_sink = 0, params.local_window = 0;
+      if (mode == 2) params.mode = SPARGE_SELECT_CDF, params.cdf_threshold = 1e-6f, params.attention_sink = 0;
+      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < sh.lq; ++i) {
+          const int64_t last = i + sh.lkv - sh.lq;
+          if (last < 0) continue;  // sees no key at all
+          const int64_t qb = i / sh.bq;
+          bool ok = false;
+          for (int64_t kb = 0; kb < p.nKB && !ok; ++kb) ok = p.mask.get(0, h, qb, kb) != 0.0f && kb * sh.bk <= last;
+          INFO("h " << h << " row " << i);
+          REQUIRE(ok);
+        }
+    }
+  }
+  for (int64_t L : {256, 4096}) {
+    INFO("L " << L);
+    const int64_t H = L > 1000 ? 1 : 4, D = 32;
+    auto prob = cpu_problem(1, H, H, L, L, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_EXACT, true);
+    Plan plan(prob);
+    HostTensor q = make_bhld(SPARGE_DTYPE_FLOAT32, 1, H, L, D, Layout::HND);
+    HostTensor k = make_bhld(SPARGE_DTYPE_FLOAT32, 1, H, L, D, Layout::HND);
+    HostTensor v = make_bhld(SPARGE_DTYPE_FLOAT32, 1, H, L, D, Layout::HND);
+    HostTensor out = make_bhld(SPARGE_DTYPE_FLOAT32, 1, H, L, D, Layout::HND);
+    HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, H, L});
+    fill_random(q, rng);
+    fill_random(k, rng);
+    fill_random(v, rng, 1.0f, 0.5f);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i)
+        for (int64_t d = 0; d < D; ++d) out.set(0, h, i, d, 0.0f);  // a missed row would stay exactly 0
+    REQUIRE(run_attention(plan, q, k, v, nullptr, nullptr, out, &lse) == SPARGE_OK);
+    int64_t zero_rows = 0;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i) {
+        bool nz = false;
+        for (int64_t d = 0; d < D; ++d) nz = nz || out.get(0, h, i, d) != 0.0f;
+        zero_rows += nz && std::isfinite(lse.get(0, h, i)) ? 0 : 1;
+      }
+    CHECK(zero_rows == 0);
+  }
+}
+
+// Estimator KEYS_LSE: scores log sum_{j in kb, visible to the block's last row} exp(scale pq . k_j) with the
+// raw keys; the top-k set (no forced blocks) is the highest of a float64 recomputation, and K smoothing,
+// a shift of every row's scores, changes nothing.
+TEST_CASE("estimator KEYS_LSE keeps the blocks of largest per-key log-sum-exp", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    Pred p = make_pred(1, 4, 2, 700, 900, 32, 64, 64, causal, rng);
+    Plan plan(p.prob);
+    sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+    params.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+    params.topk = 0.3f;
+    params.attention_sink = 0;
+    params.local_window = 0;
+    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+    check_masks_binary_and_kept(p);
+    const auto first = p.mask.snapshot();
+    params.smooth_k = 0;
+    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+    int64_t same_rows = 0, rows = 0, checked = 0;
+    const double scale = 1.0 / std::sqrt(32.0);
+    for (int64_t h = 0; h < 4; ++h)
+      for (int64_t qb = 0; qb < p.nQB; ++qb) {
+        const int64_t vis = visible(p, qb);
+        if (vis == 0) continue;
+        const int64_t r1 = std::min<int64_t>(700, qb * 64 + 64), last_key = causal ? r1 - 1 + 200 : 899;
+        std::vector<double> pq(32, 0.0), sc(static_cast<size_t>(vis));
+        for (int64_t i = qb * 64; i < r1; ++i)
+          for (int64_t d = 0; d < 32; ++d) pq[size_t(d)] += p.q.get(0, h, i, d) / double(r1 - qb * 64);
+        for (int64_t kb = 0; kb < vis; ++kb) {
+          double m = -INFINITY, sum = 0.0;
+          std::vector<double> v;
+          for (int64_t j = kb * 64; j < std::min<int64_t>({900, kb * 64 + 64, last_key + 1}); ++j) {
+            double dot = 0.0;
+            for (int64_t d = 0; d < 32; ++d) dot += pq[size_t(d)] * p.k.get(0, h / 2, j, d);
+            v.push_back(scale * dot);
+            m = std::max(m, v.back());
+          }
+          for (double x : v) sum += std::exp(x - m);
+          sc[size_t(kb)] = m + std::log(sum);
+        }
+        const int64_t n = topk_n(0.3f, vis);
+        const auto F = budget_forced_blocks(p, qb, 0, 0);  // causal: the first diagonal block
+        const int64_t nf = std::count(F.begin(), F.end(), true);
+        std::vector<double> others;
+        for (int64_t kb = 0; kb < vis; ++kb)
+          if (!F[size_t(kb)]) others.push_back(sc[size_t(kb)]);
+        std::sort(others.rbegin(), others.rend());
+        const int64_t m = std::max<int64_t>(0, n - nf);
+        const auto kept = kept_blocks(p, 0, h, qb);
+        REQUIRE(int64_t(kept.size()) == std::max(n, nf));
+        ++rows;
+        bool same = true;
+        for (int64_t kb = 0; kb < p.nKB; ++kb) same = same && first[size_t(((h * p.nQB) + qb) * p.nKB + kb)] == p.mask.get(0, h, qb, kb);
+        same_rows += same;
+        if (m == 0 || (m < int64_t(others.size()) && others[size_t(m - 1)] - others[size_t(m)] < 1e-5)) continue;
+        for (int64_t kb : kept)
+          if (!F[size_t(kb)]) CHECK(sc[size_t(kb)] >= others[size_t(m - 1)] - 1e-9);
+        ++checked;
+      }
+    CHECK(checked > rows / 2);
+    CHECK(same_rows >= rows - 2);  // smoothing moves a row's scores alike: only float rounding can differ
+  }
 }

@@ -2,6 +2,9 @@
 // outputs left untouched (they are NaN-poisoned before the call).
 #include "catch_compat.hpp"
 
+#include <climits>
+#include <cstddef>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -432,8 +435,16 @@ TEST_CASE("prediction parameters", "[cpu][validation]") {
     CHECK_FAILS(g.pred(), want, needle);
     g.params = SPARGE_PREDICT_PARAMS_INIT;
   };
-  g.params.struct_size = sizeof(sparge_predict_params_t) - 4;
+  g.params.struct_size = offsetof(sparge_predict_params_t, local_window) - 4;  // below the 0.1 layout
   both("params->struct_size", INV);
+  for (int32_t w : {-2, 1025, INT32_MIN}) {
+    INFO("local_window " << w);
+    g.params.local_window = w;
+    both("params->local_window", INV);
+  }
+  g.params.estimator = sparge_estimator_t(99);
+  both("params->estimator", INV);
+
   g.params.mode = sparge_select_mode_t(5);
   both("params->mode", INV);
   for (float t : {0.0f, -0.5f, 1.0001f, kNaN, kInf}) {

@@ -25,6 +25,8 @@
 #include <sparge/sparge.h>
 
 #include <cctype>
+#include <cstddef>
+#include <cstdint>
 #include <cinttypes>
 #include <cmath>
 #include <cstdarg>
@@ -536,7 +538,9 @@ void gen_params(Source& s, int64_t Hq, bool allow_arrays, Params& pr) {
   p.cdf_threshold = s.pick({0.9f, 1.0f, 1e-30f, 0.5f});
   p.sim_threshold = s.pick({-0.1f, 0.0f, 0.5f, 0.9f, 1.5f, INFINITY, -INFINITY});
   p.smooth_k = s.chance(70) ? 1 : 0;
-  p.attention_sink = s.chance(30) ? int32_t(s.range(1, 5)) : 0;
+  p.attention_sink = s.chance(30) ? int32_t(s.range(1, 5)) : (s.chance(50) ? -1 : 0);
+  p.local_window = s.chance(30) ? int32_t(s.range(1, 4)) : (s.chance(50) ? -1 : 0);
+  if (s.chance(10)) p.struct_size = offsetof(sparge_predict_params_t, local_window);  // a 0.1 caller
   p.pv_threshold = s.chance(90) ? 0.0f : -0.0f;
   const bool topk_mode = get_enum(p.mode) == SPARGE_SELECT_TOPK;
   // A value the mode does not use is ignored, whatever it is.
@@ -565,10 +569,21 @@ bool params_defect(Source& s, Params& pr) {
   sparge_predict_params_t& p = pr.p;
   const bool topk_mode = get_enum(p.mode) == SPARGE_SELECT_TOPK;
   const float bad_unit[] = {std::nanf(""), 0.0f, -0.5f, 1.0001f, INFINITY, -INFINITY, 2.0f};
-  switch (s.below(7)) {
+  const size_t v1 = offsetof(sparge_predict_params_t, local_window);
+  switch (s.below(9)) {
     case 0:
-      p.struct_size = s.pick({size_t(0), sizeof(p) - 4, sizeof(p) - 8});
+      p.struct_size = s.pick({size_t(0), v1 - 4, v1 - 8});
       pr.defect = expect_fail(INV, "params->struct_size");
+      return true;
+    case 7:
+      p.struct_size = sizeof(p);
+      p.local_window = s.pick({-2, 1025, INT32_MIN, INT32_MAX});
+      pr.defect = expect_fail(INV, "params->local_window");
+      return true;
+    case 8:
+      p.struct_size = sizeof(p);
+      set_enum(p.estimator, s.pick({1000, -1, 77}));
+      pr.defect = expect_fail(INV, "params->estimator");
       return true;
     case 1: set_enum(p.mode, s.pick({2, -1, 77})); pr.defect = expect_fail(INV, "params->mode"); return true;
     case 2:

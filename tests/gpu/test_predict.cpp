@@ -55,6 +55,22 @@ std::vector<ParamSet> param_sets() {
   p = SPARGE_PREDICT_PARAMS_INIT;
   p.smooth_k = 0;
   v.push_back({"perhead,nosmooth", p, true, false});
+  p = SPARGE_PREDICT_PARAMS_INIT;
+  p.topk = 0.2f;
+  p.attention_sink = 1;
+  p.local_window = 2;
+  v.push_back({"topk0.2+sink+win2", p, false, false});
+  p = SPARGE_PREDICT_PARAMS_INIT;
+  p.mode = SPARGE_SELECT_CDF;
+  p.cdf_threshold = 0.5f;
+  p.local_window = 1;
+  p.attention_sink = 1;
+  v.push_back({"cdf0.5+sink+win1", p, false, false});
+  p = SPARGE_PREDICT_PARAMS_INIT;
+  p.topk = 0.05f;
+  p.attention_sink = 0;
+  p.local_window = 0;
+  v.push_back({"topk0.05,nosink,nowin", p, false, false});
   return v;
 }
 
@@ -297,4 +313,102 @@ TEST_CASE("predict + attention, medium shape", "[gpu][predict]") {
   run_predict_attention({"pa-L2000", shp(1, 4, 1, 2000, 2000, 64, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false});
   run_predict_attention({"pa-L1000-d96", shp(1, 4, 2, 1000, 1000, 96, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false});
   run_predict_attention({"pa-L700-d256", shp(1, 2, 1, 700, 700, 256, false), Layout::HND, SPARGE_DTYPE_FLOAT16, true});
+}
+
+// Causal calls with the default parameters (params NULL, the mask predicted inside): no query
+// row ends without a kept key, so no output row is exactly zero and every LSE is finite.
+TEST_CASE("causal defaults: no query row without a kept key", "[gpu][predict][causal][sanitize]") {
+  for (int64_t L : {256, 4096}) {
+    const Shape s = shp(1, 8, 2, L, L, 128, true);
+    const uint64_t seed = case_seed("causal-safe-" + std::to_string(L));
+    const Inputs in = make_inputs(s, Layout::HND, SPARGE_DTYPE_BFLOAT16, false, seed);
+    const DeviceInputs din(in);
+    Stream stream;
+    for (sparge_precision_t prec : {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_FP16}) {
+      INFO("L " << L << " " << precision_name(prec));
+      const AttnResult r = gpu_attention(in, din, prec, nullptr, nullptr, true, stream.get());
+      REQUIRE(r.status == SPARGE_OK);
+      CHECK(r.unwritten == 0);
+      int64_t zero_rows = 0, bad_lse = 0;
+      for (int64_t h = 0; h < s.Hq; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          bool nz = false;
+          for (int64_t d = 0; d < s.D; ++d) nz = nz || r.out[size_t((h * L + i) * s.D + d)] != 0.0f;
+          zero_rows += nz ? 0 : 1;
+          bad_lse += std::isfinite(r.lse[size_t(h * L + i)]) ? 0 : 1;
+        }
+      CHECK(zero_rows == 0);
+      CHECK(bad_lse == 0);
+      // and the mask itself: every row's first diagonal key block is kept (default top-k 0.5)
+      sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      prm.topk = 1e-6f;  // one block per row: only the forced ones survive
+      const PredictResult pm = gpu_predict(in, din, prec, prm, nullptr, false, stream.get());
+      REQUIRE(pm.status == SPARGE_OK);
+      const int64_t nQB = s.nQB(), nKB = s.nKB();
+      int64_t missing = 0;
+      for (int64_t h = 0; h < s.Hq; ++h)
+        for (int64_t qb = 0; qb < nQB; ++qb) missing += pm.mask[size_t((h * nQB + qb) * nKB + 2 * qb)] ? 0 : 1;
+      CHECK(missing == 0);
+    }
+  }
+}
+
+// Estimator KEYS_LSE: CUDA masks equal the CPU predictor's except in rows whose top-k cut is a
+// near-tie of the float64 block scores (log sum over the block's keys of exp(scale pq . k_j)).
+TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][sanitize]") {
+  const PredCase cases[] = {
+      {"lse-causal-gqa", shp(1, 4, 2, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true},
+      {"lse-cross", shp(1, 2, 2, 300, 1100, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false},
+      {"lse-Lq-gt-Lkv", shp(1, 2, 1, 700, 333, 64, true), Layout::HND_PAD, SPARGE_DTYPE_BFLOAT16, false},
+  };
+  for (const PredCase& c : cases) {
+    const uint64_t seed = case_seed(std::string(c.name));
+    const Inputs in = make_inputs(c.s, c.layout, c.dtype, c.outliers, seed);
+    const DeviceInputs din(in);
+    Stream stream;
+    for (float topk : {0.1f, 0.3f}) {
+      sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      prm.topk = topk;
+      prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+      INFO(c.name << " topk " << topk << " [" << c.s.str() << "]");
+      const PredictResult g = gpu_predict(in, din, SPARGE_PRECISION_INT8_FP8, prm, nullptr, false, stream.get());
+      const PredictResult cp = cpu_predict(in, SPARGE_PRECISION_INT8_FP8, prm, nullptr);
+      REQUIRE(g.status == SPARGE_OK);
+      REQUIRE(cp.status == SPARGE_OK);
+      CHECK(g.kept.size() == cp.kept.size());
+      const int64_t nQB = c.s.nQB(), nKB = c.s.nKB(), D = c.s.D, g_ = c.s.group();
+      int64_t bad = 0, ties = 0;
+      for (int64_t h = 0; h < c.s.Hq; ++h)
+        for (int64_t qb = 0; qb < nQB; ++qb) {
+          const size_t row = size_t((h * nQB + qb) * nKB);
+          if (std::memcmp(&g.mask[row], &cp.mask[row], size_t(nKB)) == 0) continue;
+          // float64 scores of this row
+          const int64_t r0 = qb * 128, r1 = std::min(c.s.Lq, r0 + 128);
+          std::vector<double> pq(size_t(D), 0.0);
+          for (int64_t i = r0; i < r1; ++i)
+            for (int64_t d = 0; d < D; ++d) pq[size_t(d)] += in.q.val[in.q.lidx(0, h, i, d)] / double(r1 - r0);
+          const int64_t last_key = c.s.causal ? std::min(c.s.Lkv - 1, r1 - 1 + c.s.Lkv - c.s.Lq) : c.s.Lkv - 1;
+          std::vector<double> sc;
+          for (int64_t kb = 0; kb < nKB && kb * 64 <= last_key; ++kb) {
+            double m = -HUGE_VAL, sum = 0.0;
+            std::vector<double> v;
+            for (int64_t j = kb * 64; j < std::min(last_key + 1, kb * 64 + 64); ++j) {
+              double dot = 0.0;
+              for (int64_t d = 0; d < D; ++d) dot += pq[size_t(d)] * in.k.val[in.k.lidx(0, h / g_, j, d)];
+              v.push_back(c.s.scale() * dot);
+              m = std::max(m, v.back());
+            }
+            for (double x : v) sum += std::exp(x - m);
+            sc.push_back(m + std::log(sum));
+          }
+          std::vector<double> sorted(sc);
+          std::sort(sorted.rbegin(), sorted.rend());
+          bool tie = false;
+          for (size_t i = 0; i + 1 < sorted.size(); ++i) tie = tie || sorted[i] - sorted[i + 1] < 1e-4;
+          (tie ? ties : bad) += 1;
+        }
+      CHECK(bad == 0);
+      if (ties) WARN(c.name << ": " << ties << " near-tie rows differ");
+    }
+  }
 }

@@ -83,8 +83,29 @@ def _pool_sim(x, bs):
     return pooled, sim
 
 
-def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_k=True, sink=False,
-            causal=False, scale=None, layout="HND", bq=128, bk=64):
+def budget_forced(qb, nv, Lq, Lkv, bq, bk, causal, sink, window):
+    """Key blocks of row qb kept before the ranking and counted in its budget: the sink (block 0),
+    the local window (blocks holding the diagonal keys i + Lkv - Lq of the rows, and window - 1 more
+    on each side) and, causal, the first diagonal block. sink / window None: the mode's defaults."""
+    if sink is None:
+        sink = True
+    if window is None:
+        window = 2 if causal else 0
+    rows = np.arange(qb * bq, min(Lq, qb * bq + bq))
+    diag = np.clip(rows + (Lkv - Lq), 0, Lkv - 1) // bk
+    first, last = int(diag.min()), int(diag.max())
+    f = np.zeros(nv, dtype=bool)
+    if sink:
+        f[0] = True
+    if window > 0:
+        f[max(0, first - (window - 1)):max(0, min(nv, last + window))] = True
+    elif causal and first < nv:
+        f[first] = True
+    return f
+
+
+def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_k=True, sink=None,
+            causal=False, scale=None, layout="HND", bq=128, bk=64, window=None):
     """Returns (mask [B,Hq,nQB,nKB] uint8, margin [B,Hq,nQB]).
 
     margin: how far the row's selection is from flipping (probability gap at the
@@ -121,11 +142,14 @@ def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_
                 s = scale * (pk[:nv] @ pq[qb])
                 p = np.exp(s - s.max())
                 p /= p.sum()
-                order = sorted(range(nv), key=lambda j: (-p[j], j))
+                fb = budget_forced(qb, nv, Lq, Lkv, bq, bk, causal, sink, window)
+                nf = int(fb.sum())
+                order = sorted(range(nv), key=lambda j: (not fb[j], 0.0 if fb[j] else -p[j], j))
                 if mode == "topk":
                     # topk crosses the ABI as a float32 (0.9 arrives as 0.89999998)
                     n = max(1, min(nv, int(math.floor(float(np.float32(per_head(topk, h))) * nv + 1e-4))))
-                    if n < nv:
+                    n = max(n, nf)
+                    if nf <= n - 1 and n < nv:
                         margin[b, h, qb] = p[order[n - 1]] - p[order[n]]
                 else:
                     thr = per_head(cdf, h)
@@ -134,8 +158,9 @@ def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_
                     for j in order:
                         acc += p[j]
                         n += 1
-                        best = min(best, abs(acc - thr))
-                        if acc >= thr:
+                        if n >= nf:
+                            best = min(best, abs(acc - thr))
+                        if n >= nf and acc >= thr:
                             break
                     margin[b, h, qb] = best
                 sel = np.zeros(nkb, dtype=bool)
@@ -143,8 +168,6 @@ def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_
                 if sq[qb] < th:
                     sel[:nv] = True
                 sel[:nv] |= sk[:nv] < th
-                if sink:
-                    sel[0] = True
                 sel[nv:] = False
                 mask[b, h, qb] = sel
     return mask, margin

@@ -30,6 +30,8 @@ def test_topk_count_per_row(rng, causal, Lq, Lkv, topk):
     assert set(np.unique(mask)) <= {0, 1}
     for qb, nv in enumerate(vis):
         want = 0 if nv == 0 else max(1, min(nv, math.floor(float(np.float32(topk)) * nv + 1e-4)))
+        if nv:  # the mode's default sink and window count in the budget and are always kept
+            want = max(want, int(ref.budget_forced(qb, nv, Lq, Lkv, 128, 64, causal, None, None).sum()))
         rows = mask[:, :, qb]
         assert np.all(rows.sum(-1) == want), (qb, nv, rows.sum(-1))
         assert np.all(rows[..., nv:] == 0), "invisible blocks kept"
@@ -49,6 +51,9 @@ def test_topk_count_per_row(rng, causal, Lq, Lkv, topk):
     dict(topk=[0.1, 0.2, 0.5, 0.9], sim_threshold=[-0.1, 0.2, 0.3, 0.0]),
     dict(mode="cdf", cdf_threshold=[0.3, 0.5, 0.8, 0.95]),
     dict(topk=0.4, scale=0.02),
+    dict(topk=0.3, attention_sink=False, local_window=0, is_causal=True),
+    dict(topk=0.3, attention_sink=True, local_window=2),
+    dict(mode="cdf", cdf_threshold=0.7, local_window=1, is_causal=True),
 ])
 def test_matches_reference(rng, layout, opts):
     # structured inputs (a shared direction per block) so pooled scores are well separated
@@ -63,8 +68,8 @@ def test_matches_reference(rng, layout, opts):
     expect, margin = ref.predict(
         q, k, topk=o.get("topk", 0.5), mode=o.get("mode", "topk"), cdf=o.get("cdf_threshold", 0.9),
         sim_threshold=o.get("sim_threshold", -0.1), smooth_k=o.get("smooth_k", True),
-        sink=o.get("attention_sink", False), causal=o.get("is_causal", False), scale=o.get("scale"),
-        layout=layout)
+        sink=o.get("attention_sink"), window=o.get("local_window"), causal=o.get("is_causal", False),
+        scale=o.get("scale"), layout=layout)
     assert_masks_match(mask, expect, margin)
 
 
@@ -83,6 +88,43 @@ def test_full_and_forced(rng):
     # the attention sink keeps key block 0 in every row that sees a key
     m = sparge.predict_mask(q, k, topk=0.01, is_causal=True, attention_sink=True)
     assert np.all(m[..., 0] == 1)
+    # causal: the first diagonal block of each row is always kept, whatever the options
+    for sink in (False, True, None):
+        for window in (0, 1, 3, None):
+            m = sparge.predict_mask(q, k, topk=0.01, is_causal=True, attention_sink=sink, local_window=window)
+            for qb in range(3):
+                first = min(499, max(0, qb * 128 + 500 - 300)) // 64  # block of the first row's diagonal key
+                assert np.all(m[..., qb, first] == 1)
+
+
+def test_causal_defaults_no_zero_row(rng):
+    for L in (256, 1024):
+        q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=L, Lkv=L, D=32)
+        out, lse = sparge.attention(q, k, v, is_causal=True, return_lse=True)
+        assert np.all(np.abs(out).max(axis=-1) > 0), "a query row without any kept key"
+        assert np.all(np.isfinite(lse))
+
+
+def test_estimator_option(rng):
+    q, k, _ = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=512, Lkv=2048, D=32)
+    # one key that the pooled query of block 0 hits, the block's mean unchanged (the mean rule cannot see it)
+    spike = q[0, 0, :128].mean(axis=0) * 40
+    k[0, 0, 64 * 5:64 * 6] -= spike / 63
+    k[0, 0, 64 * 5 + 7] += spike + spike / 63
+    a = sparge.predict_mask(q, k, topk=0.25, estimator="mean")
+    b = sparge.predict_mask(q, k, topk=0.25, estimator="keys_lse")
+    assert a.sum() == b.sum()
+    assert b[0, 0, 0, 5] == 1  # the spike's block: the per-key rule sees it
+    assert not np.array_equal(a, b)
+    with pytest.raises(sparge.InvalidArgumentError, match="estimator"):
+        sparge.predict_mask(q, k, estimator="max")
+
+
+@pytest.mark.parametrize("bad", [-1, 1025, 1.5, True, "2"])
+def test_local_window_checked(rng, bad):
+    q, k, _ = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=128, Lkv=128, D=16)
+    with pytest.raises(sparge.InvalidArgumentError, match="local_window"):
+        sparge.predict_mask(q, k, local_window=bad)
 
 
 def test_cdf_monotone(rng):
@@ -104,7 +146,7 @@ def test_visible_key_blocks_matches_library(rng):
         q, k, _ = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=Lq, Lkv=Lkv, D=16)
         qv, kv = numpy_view(q), numpy_view(k)
         s = _core.check_qkv(qv, kv, None, 0)
-        opts = _core.Options(0, causal, 0.0, 0, 0.5, 0.9, -0.1, True, False, 2, 0, 0)
+        opts = _core.Options(0, causal, 0.0, 0, 0.5, 0.9, -0.1, True, 0, 0, 0, 2, 0, 0)
         plan = _core.get_plan(s, qv, opts)
         assert plan.visible_per_head == sum(sparge.visible_key_blocks(Lq, Lkv, 128, 64, causal))
         assert list(ref.visible_blocks(Lq, Lkv, 128, 64, causal)) == sparge.visible_key_blocks(Lq, Lkv, 128, 64, causal)

@@ -45,6 +45,13 @@ from .compat import (
 
 __version__ = "%d.%d.%d" % PACKAGE_VERSION  # generated from CMake's project(VERSION)
 
+
+def load_tuned(path: str):
+    """Reads a ``sparge tune`` file: {layer name: sparge.tune.TunedLayer}; ``layer.kwargs()`` are the
+    keyword arguments of ``attention`` / ``predict_mask`` for that layer (docs/ACCURACY.md)."""
+    from .tune import load_tuned as _load
+    return _load(path)
+
 __all__ = [
     "attention",
     "sdpa",
@@ -58,6 +65,7 @@ __all__ = [
     "has_cuda",
     "clear_caches",
     "compat",
+    "load_tuned",
     "spas_sage2_attn_meansim_topk_cuda",
     "spas_sage2_attn_meansim_cuda",
     "spas_sage_attn_meansim_topk_cuda",

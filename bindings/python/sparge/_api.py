@@ -105,8 +105,9 @@ class _Resolved:
 
 
 def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: str, mode: str,
-             cdf_threshold: Optional[PerHead], sim_threshold: PerHead, smooth_k: bool, attention_sink: bool,
-             precision: str, block_size: Any) -> _Resolved:
+             cdf_threshold: Optional[PerHead], sim_threshold: PerHead, smooth_k: bool,
+             attention_sink: Optional[bool], local_window: Optional[int], precision: str,
+             block_size: Any, estimator: str = "mean") -> _Resolved:
     lay = core.parse_layout(layout)
     md = core.parse_mode(mode)
     prec = core.parse_precision(precision)
@@ -115,8 +116,11 @@ def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: 
     topk_s, topk_h = core.split_per_head("topk", topk, 0.0, 1.0, True, 0.5)
     cdf_s, cdf_h = core.split_per_head("cdf_threshold", cdf_threshold, 0.0, 1.0, True, 0.9)
     sim_s, sim_h = core.split_per_head("sim_threshold", sim_threshold, -math.inf, math.inf, False, -0.1)
+    sink = -1 if attention_sink is None else int(bool(attention_sink))
+    window = core.parse_local_window(local_window)
+    est = core.parse_estimator(estimator)
     opts = core.Options(lay, bool(is_causal), sc, md, topk_s, cdf_s, sim_s, bool(smooth_k),
-                        bool(attention_sink), prec, bq, bk)
+                        sink, window, est, prec, bq, bk)
     return _Resolved(opts, topk_h, cdf_h, sim_h)
 
 
@@ -140,7 +144,8 @@ def _split_torch_heads(r: _Resolved) -> Tuple[Any, ...]:
 
 def _op_scalars(r: _Resolved) -> Tuple[Any, ...]:
     o = r.opts
-    return (o.layout, o.causal, o.scale, o.mode, o.topk, o.cdf, o.sim, o.smooth_k, o.sink, o.precision,
+    return (o.layout, o.causal, o.scale, o.mode, o.topk, o.cdf, o.sim, o.smooth_k, o.sink, o.window, o.estimator,
+            o.precision,
             o.block_q, o.block_k)
 
 
@@ -198,7 +203,8 @@ def _pack(out: Any, sparsity: Optional[float], lse: Any, return_sparsity: bool, 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, is_causal: bool = False,
               scale: Optional[float] = None, layout: str = "HND", mask: Optional[ArrayLike] = None,
               mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
-              smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
+              smooth_k: bool = True, attention_sink: Optional[bool] = None,
+              local_window: Optional[int] = None, estimator: str = "mean", precision: str = "int8_fp8",
               block_size: Tuple[int, int] = (128, 64), return_sparsity: bool = False,
               return_lse: bool = False, stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Block-sparse attention with a predicted (or given) block mask.
@@ -223,7 +229,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         sim_threshold: blocks whose self-similarity is below it are kept whole; the default
             -0.1 disables this. Scalar or per head.
         smooth_k: subtract the per-head mean of K before prediction and quantization.
-        attention_sink: always keep key block 0.
+        attention_sink: keep key block 0 in every row, counted in the top-k / CDF budget; None: the
+            default (on; docs/ACCURACY.md, "Predicted masks").
+        local_window: w >= 1 keeps the key blocks on the diagonal and w - 1 more on each side, counted
+            in the budget; 0: off; None: the default of the mode (2 when causal, 0 otherwise). With
+            ``is_causal`` the first diagonal block is always kept, so no query row is left without a key.
+        estimator: block importance: "mean" (mean-pooled Q and K, the original rule) or "keys_lse"
+            (mean-pooled Q against every key, log-sum-exp per key block; docs/ACCURACY.md).
         precision: ``"int8_fp8"`` (fast GPU default; on CPU the exact quantization twin, slow),
             ``"int8_fp8_split_v"`` (int8_fp8 with V carried as two e4m3 terms, hi + lo: V's
             rounding error nearly vanishes, output relative L1 ~0.028 instead of ~0.038 on random
@@ -251,7 +263,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
     """
     r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
                  cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
-                 attention_sink=attention_sink, precision=precision, block_size=block_size)
+                 attention_sink=attention_sink, local_window=local_window, estimator=estimator,
+                 precision=precision, block_size=block_size)
     return _attention(q, k, v, r, mask, out, return_sparsity, return_lse, stream)
 
 
@@ -323,7 +336,8 @@ def _arrays_view(x: Any, name: str) -> Any:
 def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: bool = False,
                  scale: Optional[float] = None, layout: str = "HND", mode: str = "topk",
                  cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
-                 smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
+                 smooth_k: bool = True, attention_sink: Optional[bool] = None,
+              local_window: Optional[int] = None, estimator: str = "mean", precision: str = "int8_fp8",
                  block_size: Tuple[int, int] = (128, 64), return_kept: bool = False,
                  stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Predicts the block mask that :func:`attention` would use.
@@ -335,7 +349,8 @@ def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: 
     """
     r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
                  cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
-                 attention_sink=attention_sink, precision=precision, block_size=block_size)
+                 attention_sink=attention_sink, local_window=local_window, estimator=estimator,
+                 precision=precision, block_size=block_size)
     return _predict(q, k, r, return_kept, stream, out)
 
 

@@ -233,14 +233,17 @@ class SpargePredictParams(ctypes.Structure):
         ("cdf_threshold_per_head", ctypes.c_void_p),
         ("sim_threshold_per_head", ctypes.c_void_p),
         ("pv_threshold", ctypes.c_float),
+        ("local_window", ctypes.c_int32),
+        ("estimator", ctypes.c_int),
     ]
 
     def __init__(self, **kw: object) -> None:
         # Same defaults as SPARGE_PREDICT_PARAMS_INIT.
         defaults = dict(
             mode=SELECT_TOPK, topk=0.5, cdf_threshold=0.9, sim_threshold=-0.1,
-            smooth_k=1, attention_sink=0, topk_per_head=None,
+            smooth_k=1, attention_sink=-1, topk_per_head=None,
             cdf_threshold_per_head=None, sim_threshold_per_head=None, pv_threshold=0.0,
+            local_window=-1, estimator=0,
         )
         defaults.update(kw)
         super().__init__(struct_size=ctypes.sizeof(SpargePredictParams), **defaults)

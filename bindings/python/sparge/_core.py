@@ -38,13 +38,32 @@ class Options(NamedTuple):
     cdf: float
     sim: float
     smooth_k: bool
-    sink: bool
+    sink: int    # -1 = default of the mode, 0 off, 1 on
+    window: int  # -1 = default of the mode, 0 off, >= 1 blocks
+    estimator: int
     precision: int
     block_q: int
     block_k: int
 
 
 # ------------------------------------------------------------------ argument checking
+ESTIMATORS = {"mean": 0, "keys_lse": 1}
+
+
+def parse_estimator(e: Any) -> int:
+    if e not in ESTIMATORS:
+        raise _arg_error("estimator must be one of %s, got %r" % (", ".join(sorted(ESTIMATORS)), e))
+    return ESTIMATORS[e]
+
+
+def parse_local_window(w: Any) -> int:
+    if w is None:
+        return -1
+    if isinstance(w, bool) or not hasattr(w, "__index__") or not 0 <= w.__index__() <= 1024:
+        raise _arg_error("local_window must be None or an integer in [0, 1024], got %r" % (w,))
+    return w.__index__()
+
+
 def _arg_error(msg: str) -> C.InvalidArgumentError:
     return C.InvalidArgumentError(msg)
 
@@ -296,7 +315,9 @@ def _params(opts: Options, alloc: Any, like: View, Hq: int,
 def _make_params(opts: Options, ptrs: Sequence[Any]) -> C.SpargePredictParams:
     return C.SpargePredictParams(mode=opts.mode, topk=opts.topk, cdf_threshold=opts.cdf,
                                  sim_threshold=opts.sim, smooth_k=int(opts.smooth_k),
-                                 attention_sink=int(opts.sink), topk_per_head=ptrs[0],
+                                 attention_sink=int(opts.sink), local_window=int(opts.window),
+                                 estimator=int(opts.estimator),
+                                 topk_per_head=ptrs[0],
                                  cdf_threshold_per_head=ptrs[1], sim_threshold_per_head=ptrs[2],
                                  pv_threshold=0.0)
 

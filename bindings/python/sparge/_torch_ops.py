@@ -24,9 +24,10 @@ HAS_CUSTOM_OP = hasattr(torch.library, "custom_op") and hasattr(torch.library, "
 
 
 def _opts(layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-          smooth_k: bool, sink: bool, precision: int, block_q: int, block_k: int) -> core.Options:
+          smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int) -> core.Options:
     return core.Options(layout, bool(causal), float(scale), int(mode), float(topk), float(cdf), float(sim),
-                        bool(smooth_k), bool(sink), int(precision), int(block_q), int(block_k))
+                        bool(smooth_k), int(sink), int(window), int(estimator), int(precision), int(block_q),
+                        int(block_k))
 
 
 def _per_head(t: Optional[Tensor], lst: Optional[List[float]]) -> Any:
@@ -77,9 +78,9 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                    topk_t: Optional[Tensor], cdf_t: Optional[Tensor], sim_t: Optional[Tensor],
                    topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                    layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-                   smooth_k: bool, sink: bool, precision: int, block_q: int, block_k: int,
+                   smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int,
                    want_lse: bool, want_kept: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, precision, block_q, block_k)
+    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, window, estimator, precision, block_q, block_k)
     heads = (_per_head(topk_t, topk_l), _per_head(cdf_t, cdf_l), _per_head(sim_t, sim_l))
     out, lse, kept = run_attention(q, k, v, mask, heads, opts, want_lse, want_kept)
     if lse is None:
@@ -93,7 +94,7 @@ def attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                    topk_t: Optional[Tensor], cdf_t: Optional[Tensor], sim_t: Optional[Tensor],
                    topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                    layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-                   smooth_k: bool, sink: bool, precision: int, block_q: int, block_k: int,
+                   smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int,
                    want_lse: bool, want_kept: bool) -> Tuple[Tensor, Tensor, Tensor]:
     p = core.PERM[layout]
     B, Hq, Lq = q.shape[p[0]], q.shape[p[1]], q.shape[p[2]]
@@ -119,9 +120,9 @@ def predict_impl(q: Tensor, k: Tensor,
                  topk_t: Optional[Tensor], cdf_t: Optional[Tensor], sim_t: Optional[Tensor],
                  topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                  layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-                 smooth_k: bool, sink: bool, precision: int, block_q: int, block_k: int
+                 smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int
                  ) -> Tuple[Tensor, Tensor]:
-    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, precision, block_q, block_k)
+    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, window, estimator, precision, block_q, block_k)
     qv, kv = torch_view(q), torch_view(k)
     s = core.check_qkv(qv, kv, None, layout)
 
@@ -138,7 +139,7 @@ def predict_fake(q: Tensor, k: Tensor,
                  topk_t: Optional[Tensor], cdf_t: Optional[Tensor], sim_t: Optional[Tensor],
                  topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                  layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-                 smooth_k: bool, sink: bool, precision: int, block_q: int, block_k: int
+                 smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int
                  ) -> Tuple[Tensor, Tensor]:
     p = core.PERM[layout]
     B, Hq, Lq = q.shape[p[0]], q.shape[p[1]], q.shape[p[2]]

@@ -136,7 +136,7 @@ def _predicted(q: Any, k: Any, v: Any, *, attn_mask: Any, dropout_p: float, is_c
         mode, cdf = "cdf", (cdfthreshd if cdfthreshd is not None else 0.98)
     res = attention(q, k, v, topk=topk if topk is not None else 0.5, is_causal=is_causal, scale=scale,
                     layout=tensor_layout, mode=mode, cdf_threshold=cdf, sim_threshold=simthreshd1,
-                    smooth_k=smooth_k, attention_sink=attention_sink, precision=precision,
+                    smooth_k=smooth_k, attention_sink=True if attention_sink else None, precision=precision,
                     return_sparsity=return_sparsity, return_lse=return_lse and not return_sparsity)
     return _finish(res, output_dtype, return_sparsity, return_lse)
 

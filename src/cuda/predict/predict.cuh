@@ -15,5 +15,9 @@ constexpr int64_t kMaxKeyBlocks = 16384;
 // (head dim, dtype, block sizes, key-block count). SPARGE_OK or UNSUPPORTED.
 sparge_status_t predict_supported(const Problem& p);
 
+// Estimator KEYS_LSE: block scores from the pooled queries (already in the workspace) and every
+// key of k, into the workspace's score region; launch_select then skips its pooled-score kernel.
+sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace sparge

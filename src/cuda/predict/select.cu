@@ -102,6 +102,116 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
   }
 }
 
+// ---------------------------------------------------------------- per-key scores (KEYS_LSE)
+// scores[bh, qb, kb] = log sum_{j in kb} exp(scale * pq . k_j) over the keys j of block kb that the
+// last row of qb sees (raw 16-bit keys, float32 products and sums, as the pooled scores). The tile
+// of scores_kernel with key rows in place of pooled key blocks: one CTA per (bh, 64 query blocks,
+// one key block of 64 keys); thread (tx, ty) holds query blocks 8ty..8ty+7 x keys 4tx..4tx+3, and
+// the row's max and sum of exponentials are reduced over the 16 lanes tx of a half warp.
+struct KeyScoreArgs {
+  Problem prob;
+  Tensor4 k;
+  const float* pooled_q;  // [B*Hq, nQB, D]
+  float* scores;          // [B*Hq, nQB, nKB]
+  int64_t ntq;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kSThreads) key_scores_kernel(const KeyScoreArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  __shared__ __align__(16) float sq[kSDC][kST];
+  __shared__ __align__(16) float sk[kSDC][kST];
+  const Problem& p = a.prob;
+  const uint32_t nKB = uint32_t(p.nKB), ntq = uint32_t(a.ntq);
+  const uint32_t kb = blockIdx.x % nKB, t2 = blockIdx.x / nKB;
+  const uint32_t tq = t2 % ntq, bh = t2 / ntq;
+  const uint32_t Hq = uint32_t(p.Hq), Hkv = uint32_t(p.Hkv);
+  const uint32_t b = bh / Hq, h = bh % Hq, hk = h / (Hq / Hkv);
+  const int tid = threadIdx.x;
+  const int64_t qb0 = int64_t(tq) * kST;
+  const int64_t qb_last = min(p.nQB, qb0 + kST) - 1;
+  if (int64_t(kb) >= visible_key_blocks(p, qb_last)) return;  // uniform
+
+  const int D = int(p.D);
+  const float* pq = a.pooled_q + (int64_t(bh) * p.nQB) * D;
+  const T* kp = static_cast<const T*>(a.k.data);
+  const int64_t j0 = int64_t(kb) * p.BK;
+  const int tx = tid % 16, ty = tid / 16;
+  float acc[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+  for (int d0 = 0; d0 < D; d0 += kSDC) {
+    __syncthreads();
+#pragma unroll
+    for (int it = 0; it < (kST * kSDC / 4) / kSThreads; ++it) {
+      const int e = tid + it * kSThreads;
+      const int r = e % kST, c4 = (e / kST) * 4;
+      const int64_t qb = qb0 + r, j = j0 + r;
+      float4 qv = make_float4(0.f, 0.f, 0.f, 0.f);
+      float kv[4] = {0.f, 0.f, 0.f, 0.f};
+      if (qb < p.nQB) qv = *reinterpret_cast<const float4*>(pq + qb * D + d0 + c4);
+      if (j < p.Lkv) {
+        const T* kr = kp + a.k.offset(b, hk, j, d0 + c4);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) kv[c] = static_cast<float>(kr[c]);
+      }
+      sq[c4 + 0][r] = qv.x, sq[c4 + 1][r] = qv.y, sq[c4 + 2][r] = qv.z, sq[c4 + 3][r] = qv.w;
+      sk[c4 + 0][r] = kv[0], sk[c4 + 1][r] = kv[1], sk[c4 + 2][r] = kv[2], sk[c4 + 3][r] = kv[3];
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int c = 0; c < kSDC; ++c) {
+      const float4 q0 = *reinterpret_cast<const float4*>(&sq[c][8 * ty]);
+      const float4 q1 = *reinterpret_cast<const float4*>(&sq[c][8 * ty + 4]);
+      const float4 k4 = *reinterpret_cast<const float4*>(&sk[c][4 * tx]);
+      const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+      const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], kv[j], acc[i][j]);
+    }
+  }
+  const float scale = p.scale;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t qb = qb0 + 8 * ty + i;  // uniform over the half warp
+    int64_t last_key = p.Lkv - 1;
+    if (p.causal) {
+      const int64_t last_row = min(p.Lq, (qb + 1) * p.BQ) - 1;
+      last_key = min(last_key, causal_last_key(last_row, p.Lq, p.Lkv));
+    }
+    float sv[4];
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t key = j0 + 4 * tx + j;
+      sv[j] = key <= last_key ? scale * acc[i][j] : -INFINITY;
+      m = fmaxf(m, sv[j]);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sum = 0.f;
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sum += sv[j] == -INFINITY ? 0.f : expf(sv[j] - m);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (tx == 0 && qb < p.nQB)
+      a.scores[(int64_t(bh) * p.nQB + qb) * p.nKB + kb] = m == -INFINITY ? -INFINITY : m + logf(sum);
+  }
+}
+
+// Zeroes the kept counters when the pooled-score kernel (which does it otherwise) does not run.
+__global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s0, int64_t s1) {
+  pdl_grid_sync();
+  for (int64_t i = threadIdx.x; i < B * Hq; i += blockDim.x) kept[(i / Hq) * s0 + (i % Hq) * s1] = 0;
+}
+
 // ---------------------------------------------------------------- selection
 // One warp (a CTA of 32 threads) per (b, h, qb) row. Probabilities P
 // (float32, from a float64 softmax), then the selection threshold by a
@@ -130,6 +240,9 @@ struct SelectArgs {
   int64_t kept_s0, kept_s1;
 };
 
+// Row keys: the P bit pattern + 1 for a candidate block (keys order like P), 0 for a block
+// that is not a candidate (kept beforehand as a forced block of the budget). Searches run over
+// keys >= 1 only, so non-candidates never weigh nor get selected.
 // P in units of 2^-62 (exact for P >= 2^-38; smaller P are truncated).
 __device__ __forceinline__ unsigned long long fixed62(uint32_t pbits) {
   return __float2ull_rz(__uint_as_float(pbits) * 4611686018427387904.0f);
@@ -160,14 +273,14 @@ struct RowSearch {
 #pragma unroll
     for (int i = 0; i < kSelCache; ++i) {
       if (CDF) {
-        if (i < nloc && uc[i] >= t) w += wc[i];
+        if (i < nloc && uc[i] >= t) w += wc[i];  // t >= 1: candidates only
       } else {
         if (i < nloc && lane + 32 * i < V && uc[i] >= t) w += 1ull;
       }
     }
     for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
       const uint32_t u = pb[kb];
-      if (u >= t) w += CDF ? fixed62(u) : 1ull;
+      if (u >= t) w += CDF ? fixed62(u - 1u) : 1ull;
     }
     return w;
   }
@@ -189,21 +302,21 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
   for (int i = 0; i < kSelCache; ++i) {
     const int kb = lane + 32 * i;
     rs.uc[i] = (i < rs.nloc && kb < V) ? pb[kb] : 0u;
-    if (CDF) rs.wc[i] = (i < rs.nloc && kb < V) ? fixed62(rs.uc[i]) : 0ull;
+    if (CDF) rs.wc[i] = (i < rs.nloc && kb < V && rs.uc[i] != 0u) ? fixed62(rs.uc[i] - 1u) : 0ull;
   }
-  if (target == 0 || rs.total_ge(0) < target) {  // CDF never reached (rounding): keep all visible
+  if (rs.total_ge(1) < target) {  // CDF never reached (rounding): keep every visible block
     for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
     return;
   }
   uint32_t tstar = 0;
-  for (int bit = 30; bit >= 0; --bit) {  // P <= 1: bit 31 of t* is 0
+  for (int bit = 30; bit >= 0; --bit) {  // key <= bits(1.0f) + 1: bit 31 of t* is 0
     const uint32_t cand = tstar | (1u << bit);
     if (rs.total_ge(cand) >= target) tstar = cand;
   }
   const unsigned long long rem = target - rs.total_ge(tstar + 1);
   unsigned long long need = rem;  // ties (P == t*) to take, in index order
   if (CDF) {
-    const unsigned long long w = fixed62(tstar);
+    const unsigned long long w = fixed62(tstar - 1u);
     need = w ? (rem + w - 1) / w : 1;
   }
   // ties in index order: chunks of 32 consecutive blocks, ballot + prefix count
@@ -260,20 +373,48 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
       for (int kb = lane; kb < V; kb += 32)
         pb[kb] = __float_as_uint(float(exp(double(__uint_as_float(pb[kb])) - double(mx)) / tot));
       __syncwarp();
+      // forced blocks of the budget (sink, local window, causal diagonal): kept first, their
+      // count (top-k) or probability (CDF) taken off the target, no longer candidates
+      const BudgetForced fb = budget_forced(p, cfg, qb);
+      uint32_t fcount = 0;
+      unsigned long long fmass = 0;
+      for (int kb = lane; kb < V; kb += 32) {
+        const uint32_t u = pb[kb];
+        if (fb.has(kb)) {
+          sel[kb] = 1;
+          ++fcount;
+          fmass += fixed62(u);
+          pb[kb] = 0u;
+        } else {
+          pb[kb] = u + 1u;
+        }
+      }
+      fcount = __reduce_add_sync(0xffffffffu, fcount);
+      fmass = warp_sum_u64(fmass);
+      __syncwarp();
+      unsigned long long target;
       if (cfg.mode == SPARGE_SELECT_TOPK) {
         const float topk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
-        select_row<false>(pb, V, (unsigned long long)topk_count(topk, V), sel);
+        const unsigned long long n = (unsigned long long)topk_count(topk, V);
+        target = n > fcount ? n - fcount : 0ull;
       } else {
         const float cdf = cfg.cdf_per_head ? cfg.cdf_per_head[h] : cfg.cdf_threshold;
-        select_row<true>(pb, V, fixed62(__float_as_uint(cdf)), sel);
+        const unsigned long long t = fixed62(__float_as_uint(cdf));
+        target = t > fmass ? t - fmass : 0ull;
+        if (fcount == 0 && target == 0) target = 1;  // at least one block
+      }
+      if (target > 0) {
+        if (cfg.mode == SPARGE_SELECT_TOPK)
+          select_row<false>(pb, V, target, sel);
+        else
+          select_row<true>(pb, V, target, sel);
       }
     }
     __syncwarp();
-    // forced blocks: non-compressible key blocks, attention sink
+    // forced blocks outside the budget: non-compressible key blocks
     const float* sk = a.sim_k + size_t(bhk) * nKB;
     for (int kb = lane; kb < V; kb += 32)
       if (sk[kb] < sim_thr) sel[kb] = 1;
-    if (cfg.attention_sink && lane == 0) sel[0] = 1;
     __syncwarp();
   }
 
@@ -291,6 +432,31 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
 }
 
 }  // namespace
+
+sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream) {
+  const Problem& p = plan.prob;
+  const WorkspaceLayout& L = plan.ws;
+  SPARGE_TRY(predict_supported(p));
+  if (p.BK != kST)
+    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE on CUDA needs block_k = %d, got %lld", kST,
+                (long long)p.BK);
+  char* base = static_cast<char*>(ws);
+  KeyScoreArgs ka;
+  ka.prob = p;
+  ka.k = k;
+  ka.pooled_q = ws_ptr<float>(base, L.pooled_q);
+  ka.scores = ws_ptr<float>(base, L.scores);
+  ka.ntq = ceil_div(p.nQB, kST);
+  const int64_t n = p.B * p.Hq * ka.ntq * p.nKB;
+  if (n > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "key score grid too large");
+  cudaError_t err = cudaSuccess;
+  if (p.dtype == SPARGE_DTYPE_FLOAT16)
+    err = launch_pdl(key_scores_kernel<__half>, dim3(unsigned(n)), dim3(kSThreads), 0, stream, ka);
+  else
+    err = launch_pdl(key_scores_kernel<__nv_bfloat16>, dim3(unsigned(n)), dim3(kSThreads), 0, stream, ka);
+  SPARGE_PDL_CHECK(err, "sparge per-key scores kernel");
+  return SPARGE_OK;
+}
 
 sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
                               const KeptView* kept, void* ws, cudaStream_t stream) {
@@ -317,8 +483,13 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   sa.kept = kept_ptr, sa.kept_s0 = ks0, sa.kept_s1 = ks1;
   const int64_t nsb = bhq * sa.ntq * sa.ntk;
   if (nsb > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "score grid too large");
-  SPARGE_PDL_CHECK(launch_pdl(scores_kernel, dim3(unsigned(nsb)), dim3(kSThreads), 0, stream, sa),
-                   "sparge pooled scores kernel");
+  if (cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) {  // scores written by launch_key_scores (preparation)
+    SPARGE_PDL_CHECK(launch_pdl(zero_kept_kernel, dim3(1), dim3(256), 0, stream, kept_ptr, p.B, p.Hq, ks0, ks1),
+                     "sparge kept-count zeroing kernel");
+  } else {
+    SPARGE_PDL_CHECK(launch_pdl(scores_kernel, dim3(unsigned(nsb)), dim3(kSThreads), 0, stream, sa),
+                     "sparge pooled scores kernel");
+  }
 
   SelectArgs se;
   se.prob = p;

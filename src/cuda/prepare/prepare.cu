@@ -629,6 +629,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     });
     SPARGE_PDL_CHECK(err, "sparge V pass kernel");
   }
+
+  // 5. block scores from every key (estimator KEYS_LSE; the pooled Q of step 2 is ready)
+  if (pool && cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) SPARGE_TRY(launch_key_scores(plan, k, ws, stream));
   return SPARGE_OK;
 }
 

@@ -49,6 +49,10 @@ pub type sparge_select_mode_t = c_int;
 pub const SPARGE_SELECT_TOPK: sparge_select_mode_t = 0;
 pub const SPARGE_SELECT_CDF: sparge_select_mode_t = 1;
 
+pub type sparge_estimator_t = c_int;
+pub const SPARGE_ESTIMATOR_MEAN: sparge_estimator_t = 0;
+pub const SPARGE_ESTIMATOR_KEYS_LSE: sparge_estimator_t = 1;
+
 // ---------------------------------------------------------------- structs
 /// A borrowed, strided tensor view (strides in elements).
 #[repr(C)]
@@ -153,6 +157,11 @@ pub struct sparge_predict_params_t {
     pub cdf_threshold_per_head: *const f32,
     pub sim_threshold_per_head: *const f32,
     pub pv_threshold: f32,
+    /// Since 0.2: -1 = the default of the mode (causal 2, else 0), 0 = off, w >= 1 = diagonal blocks and
+    /// w - 1 more per side.
+    pub local_window: i32,
+    /// Since 0.2: `SPARGE_ESTIMATOR_*`.
+    pub estimator: sparge_estimator_t,
 }
 
 impl Default for sparge_predict_params_t {
@@ -165,11 +174,13 @@ impl Default for sparge_predict_params_t {
             cdf_threshold: 0.9,
             sim_threshold: -0.1,
             smooth_k: 1,
-            attention_sink: 0,
+            attention_sink: -1,
             topk_per_head: core::ptr::null(),
             cdf_threshold_per_head: core::ptr::null(),
             sim_threshold_per_head: core::ptr::null(),
             pv_threshold: 0.0,
+            local_window: -1,
+            estimator: SPARGE_ESTIMATOR_MEAN,
         }
     }
 }
@@ -242,13 +253,15 @@ mod tests {
     fn struct_layout_matches_the_header() {
         assert_eq!(size_of::<sparge_tensor_t>(), 88);
         assert_eq!(size_of::<sparge_problem_t>(), 88);
-        assert_eq!(size_of::<sparge_predict_params_t>(), 64);
+        assert_eq!(size_of::<sparge_predict_params_t>(), 72);
         assert_eq!(align_of::<sparge_problem_t>(), 8);
         assert_eq!(offset_of!(sparge_tensor_t, shape), 24);
         assert_eq!(offset_of!(sparge_problem_t, dtype), 56);
         assert_eq!(offset_of!(sparge_problem_t, block_k), 84);
         assert_eq!(offset_of!(sparge_predict_params_t, topk_per_head), 32);
         assert_eq!(offset_of!(sparge_predict_params_t, pv_threshold), 56);
+        assert_eq!(offset_of!(sparge_predict_params_t, local_window), 60);
+        assert_eq!(offset_of!(sparge_predict_params_t, estimator), 64);
     }
 
     #[test]

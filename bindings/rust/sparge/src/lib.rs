@@ -33,6 +33,8 @@ use std::ptr::{self, NonNull};
 
 pub use sparge_sys as sys;
 
+pub mod tuned;
+
 // ---------------------------------------------------------------- errors
 
 /// Failure class, from `sparge_status_t` (or a check made on the Rust side).
@@ -240,6 +242,15 @@ impl Precision {
     }
 }
 
+/// Block-importance estimator (`sparge_estimator_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Estimator {
+    /// Mean-pooled Q and K (the original rule).
+    Mean,
+    /// Mean-pooled Q against every key, log-sum-exp per key block.
+    KeysLse,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SelectMode {
     /// Keep `max(1, floor(topk * visible + 1e-4))` blocks per row.
@@ -381,8 +392,13 @@ pub struct PredictParams {
     pub sim_threshold: f32,
     /// Subtract the per-head mean of K before predicting.
     pub smooth_k: bool,
-    /// Always keep key block 0.
-    pub attention_sink: bool,
+    /// Keep key block 0 in every row, counted in the budget; None = the default (on).
+    pub attention_sink: Option<bool>,
+    /// Keep the diagonal key blocks and `w - 1` more on each side, counted in the budget;
+    /// Some(0) = off; None = the default of the mode (2 when causal, 0 otherwise).
+    pub local_window: Option<i32>,
+    /// Block-importance estimator.
+    pub estimator: Estimator,
     /// Per-query-head overrides (length Hq). Host memory: CPU plans only here;
     /// for device arrays build a raw struct and use the `_raw` calls.
     pub topk_per_head: Option<Vec<f32>>,
@@ -401,7 +417,9 @@ impl Default for PredictParams {
             cdf_threshold: d.cdf_threshold,
             sim_threshold: d.sim_threshold,
             smooth_k: d.smooth_k != 0,
-            attention_sink: d.attention_sink != 0,
+            attention_sink: None,
+            local_window: None,
+            estimator: Estimator::Mean,
             topk_per_head: None,
             cdf_threshold_per_head: None,
             sim_threshold_per_head: None,
@@ -424,11 +442,16 @@ impl PredictParams {
             cdf_threshold: self.cdf_threshold,
             sim_threshold: self.sim_threshold,
             smooth_k: self.smooth_k as i32,
-            attention_sink: self.attention_sink as i32,
+            attention_sink: self.attention_sink.map_or(-1, |b| b as i32),
             topk_per_head: p(&self.topk_per_head),
             cdf_threshold_per_head: p(&self.cdf_threshold_per_head),
             sim_threshold_per_head: p(&self.sim_threshold_per_head),
             pv_threshold: self.pv_threshold,
+            local_window: self.local_window.unwrap_or(-1),
+            estimator: match self.estimator {
+                Estimator::Mean => sys::SPARGE_ESTIMATOR_MEAN,
+                Estimator::KeysLse => sys::SPARGE_ESTIMATOR_KEYS_LSE,
+            },
         }
     }
 

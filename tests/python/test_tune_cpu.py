@@ -1,0 +1,110 @@
+"""sparge tune on the CPU backend: the settings it writes meet the target when used, the file
+round-trips, malformed files are refused with the line, and the capture helper."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import sparge
+from sparge import tune as T
+from sparge import yardstick as Y
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SLICE = os.path.join(ROOT, "tests", "data", "captures", "smollm2_L1024_layer15.npz")
+
+
+def _small_capture(rng, causal):
+    base = rng.standard_normal((2, 10, 32)) * 1.5
+    k = np.repeat(base, 64, axis=1) + rng.standard_normal((2, 640, 32))
+    q = np.repeat(np.repeat(base, 64, axis=1), 2, axis=0) + rng.standard_normal((4, 640, 32))
+    v = rng.standard_normal((2, 640, 32))
+    return Y.Capture(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), causal, "t", None)
+
+
+@pytest.mark.parametrize("metric,target", [("rel_l1", 0.08), ("cosine", 0.995)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tuned_settings_meet_the_target(rng, tmp_path, metric, target, causal):
+    caps = [_small_capture(rng, causal), _small_capture(rng, causal)]
+    layer = T.tune_layer("blk0", caps, metric, target)
+    assert layer.heads == 4 and len(layer.values) == 4 and len(layer.sim_threshold) == 4
+    assert T._meets(metric, layer.measured, target)
+    assert layer.density < 1.0
+    # the written file, loaded and used through the public API, gives the measured numbers
+    path = str(tmp_path / "tuned.txt")
+    T.write_tuned(path, [layer])
+    got = sparge.load_tuned(path)["blk0"]
+    assert got.mode == layer.mode and got.sink == layer.sink and got.window == layer.window
+    assert got.estimator == layer.estimator in ("mean", "keys_lse")
+    np.testing.assert_allclose(got.values, layer.values, rtol=1e-5)
+    for cap in caps:
+        mask = sparge.predict_mask(cap.q[None], cap.k[None], is_causal=causal, precision="exact",
+                                   **got.kwargs())[0]
+        vis = Y.visible(640, 640, causal)
+        tot = Y.Score()
+        for h in range(4):
+            tot.add(Y.score_mask(Y.head_pass(cap, h), mask[h], vis))
+        value = tot.rel_l1 if metric == "rel_l1" else tot.cosine
+        assert T._meets(metric, value, target)
+        assert tot.zero_rows == 0
+
+
+def test_a_tighter_target_costs_density(rng):
+    cap = _small_capture(rng, True)
+    loose = T.tune_layer("a", [cap], "rel_l1", 0.2)
+    tight = T.tune_layer("a", [cap], "rel_l1", 0.02)
+    assert tight.density >= loose.density
+    assert tight.measured <= 0.02 and loose.measured <= 0.2
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("sparge-tune 2\n", "header"),
+    ("sparge-tune 1\nlayer a heads 2 causal 1 mode topk sink 1 window 1 estimator mean\ntopk 0.5\n", "expected 2"),
+    ("sparge-tune 1\nlayer a heads 2 causal 1 mode topk sink 1 window 1 estimator mean\ntopk 0.5 2\n", "(0, 1]"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1 estimator mean\ntopk 0.5\nsim_threshold 0\n", "no 'end'"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode cdf sink 1 window 1 estimator mean\ntopk 0.5\n", "mode cdf"),
+    ("sparge-tune 1\ntopk 0.5\n", "outside a layer"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1 estimator max\n", "estimator must be"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1\n", "expected 'layer"),
+    ("sparge-tune 1\nlayer a heads 1 causal 3 mode topk sink 1 window 1 estimator mean\n", "causal and sink"),
+])
+def test_malformed_files(tmp_path, text, needle):
+    p = tmp_path / "bad.txt"
+    p.write_text(text)
+    with pytest.raises(T.TunedFileError, match="bad.txt:[0-9]+: .*" + needle.replace("(", r"\(").replace(")", r"\)")):
+        sparge.load_tuned(str(p))
+
+
+def test_capture_helper_roundtrip(rng, tmp_path):
+    q = rng.standard_normal((2, 300, 4, 16)).astype(np.float32)  # NHD, batch 2
+    k = rng.standard_normal((2, 300, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 300, 2, 16)).astype(np.float32)
+    p = T.capture(q, k, v, str(tmp_path / "c.npz"), is_causal=True, layout="NHD", name="blk 3", batch=1)
+    cap = Y.load(p)
+    assert cap.causal and cap.name == "blk 3"
+    np.testing.assert_allclose(cap.q, q[1].transpose(1, 0, 2), rtol=1e-3, atol=1e-3)  # stored as float16
+    np.testing.assert_allclose(cap.k, k[1].transpose(1, 0, 2), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="inconsistent"):
+        T.capture(q, k[:, :, :1], v, str(tmp_path / "d.npz"), layout="NHD")
+
+
+def test_capture_from_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 4, 200, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 200, 16, dtype=torch.bfloat16)
+    cap = Y.load(T.capture(q, k, k, str(tmp_path / "t.npz")))
+    np.testing.assert_allclose(cap.q, q[0].float().numpy(), rtol=1e-2, atol=1e-2)
+
+
+def test_command_line(tmp_path):
+    out = tmp_path / "tuned.txt"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "bindings", "python"))
+    r = subprocess.run([sys.executable, "-m", "sparge", "tune", SLICE, "--rel-l1", "0.15", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "heads" in r.stderr  # progress on the terminal
+    layers = sparge.load_tuned(str(out))
+    (layer,) = layers.values()
+    assert layer.heads == 9 and layer.causal and layer.measured <= 0.15
