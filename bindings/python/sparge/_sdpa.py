@@ -25,7 +25,8 @@ def _empty_like(q: Any) -> Any:
 def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, dropout_p: float = 0.0,
          is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
          topk: PerHead = 0.5, mode: str = "topk", cdf_threshold: Optional[PerHead] = None,
-         sim_threshold: PerHead = -0.1, smooth_k: bool = True, attention_sink: bool = False,
+         sim_threshold: PerHead = -0.1, smooth_k: bool = True, attention_sink: Optional[bool] = None,
+         local_window: Optional[int] = None, estimator: str = "mean",
          precision: str = "int8_fp8", block_size: Tuple[int, int] = (128, 64), out: Optional[Any] = None,
          stream: Optional[int] = None) -> Any:
     """Block-sparse attention with the signature and semantics of
@@ -82,7 +83,8 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     def resolved(c: bool) -> Any:
         return _resolve(topk=topk, is_causal=c, scale=scale, layout="HND", mode=mode, cdf_threshold=cdf_threshold,
                         sim_threshold=sim_threshold, smooth_k=smooth_k, attention_sink=attention_sink,
-                        precision=precision, block_size=block_size)
+                        local_window=local_window, estimator=estimator, precision=precision,
+                        block_size=block_size)
 
     if not causal or L == S or S == 0:
         res = _attention(q4, k4, v4, resolved(causal and S > 0), None, o4, False, False, stream)

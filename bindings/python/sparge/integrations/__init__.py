@@ -3,7 +3,7 @@
 (:mod:`sparge.integrations.diffusers`).
 
 Settings are keyword arguments of :func:`sparge.sdpa` (``topk``, ``mode``, ``cdf_threshold``,
-``sim_threshold``, ``smooth_k``, ``attention_sink``, ``precision``, ``block_size``) plus two of the
+``sim_threshold``, ``smooth_k``, ``attention_sink``, ``local_window``, ``estimator``, ``precision``, ``block_size``) plus two of the
 integrations' own:
 
 - ``enabled`` (default True): False runs the layer with torch's dense
@@ -27,8 +27,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 from .. import _capi as C
 
 #: keyword arguments passed through to sparge.sdpa
-SDPA_KEYS = ("topk", "mode", "cdf_threshold", "sim_threshold", "smooth_k", "attention_sink", "precision",
-             "block_size")
+SDPA_KEYS = ("topk", "mode", "cdf_threshold", "sim_threshold", "smooth_k", "attention_sink", "local_window",
+             "estimator", "precision", "block_size")
 #: the integrations' own keys
 OWN_KEYS = ("enabled", "on_mask")
 KEYS = SDPA_KEYS + OWN_KEYS
