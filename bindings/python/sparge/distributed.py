@@ -183,11 +183,11 @@ def _slice_heads(x: Any, h0: int, h1: int) -> Any:
 
 
 def _sparse_kw(topk: Any, mode: str, cdf_threshold: Any, sim_threshold: Any, smooth_k: bool,
-               attention_sink: bool, precision: str, block_size: Tuple[int, int], scale: Optional[float]
-               ) -> Dict[str, Any]:
+               attention_sink: Optional[bool], local_window: Optional[int], estimator: str, precision: str,
+               block_size: Tuple[int, int], scale: Optional[float]) -> Dict[str, Any]:
     return dict(topk=topk, mode=mode, cdf_threshold=cdf_threshold, sim_threshold=sim_threshold,
-                smooth_k=smooth_k, attention_sink=attention_sink, precision=precision,
-                block_size=block_size, scale=scale)
+                smooth_k=smooth_k, attention_sink=attention_sink, local_window=local_window, estimator=estimator,
+                precision=precision, block_size=block_size, scale=scale)
 
 
 def _attn_kw(kw: Dict[str, Any]) -> Dict[str, Any]:
@@ -267,7 +267,8 @@ def _heads_to_seq(x: Any, world: int, group: Any) -> Any:
 def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool = False,
                       zigzag: Optional[bool] = None, layout: str = "HND", mask: Any = None,
                       topk: Any = 0.5, mode: str = "topk", cdf_threshold: Any = None, sim_threshold: Any = -0.1,
-                      smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
+                      smooth_k: bool = True, attention_sink: Optional[bool] = None,
+                      local_window: Optional[int] = None, estimator: str = "mean", precision: str = "int8_fp8",
                       block_size: Tuple[int, int] = (128, 64), scale: Optional[float] = None,
                       return_lse: bool = False, return_mask: bool = False) -> Any:
     """Sparse attention over the whole sequence, Ulysses style (all-to-all over heads).
@@ -282,8 +283,8 @@ def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: b
         zigzag: the shards are zig-zag (:func:`shard_sequence`); default ``is_causal``.
         mask: optional global uint8/bool block mask ``[B, Hq, ceil(N/BQ), ceil(N_kv/BK)]`` in
             natural token order (no prediction then), the same on every rank.
-        topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, precision,
-            block_size, scale: as in :func:`sparge.attention` (per-head values: for all ``Hq``
+        topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window,
+            estimator, precision, block_size, scale: as in :func:`sparge.attention` (per-head values: for all ``Hq``
             heads; each rank uses those of its heads).
         return_lse: also return the float32 LSE of the local rows ``[B, Hq, S]``.
         return_mask: also return the mask this rank used: the global mask's rows of all query
@@ -295,8 +296,8 @@ def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: b
     _check_inputs(q, k, v)
     layout = _layout(layout)
     zig = bool(is_causal) if zigzag is None else bool(zigzag)
-    kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, precision,
-                    block_size, scale)
+    kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window, estimator,
+                    precision, block_size, scale)
     rank, world = _group_info(group)
     if world == 1:
         return _single(q, k, v, is_causal, layout, mask, return_lse, return_mask, kw)
@@ -377,13 +378,15 @@ def _global_mask_rows(qh: Any, kh: Any, world: int, group: Any, zig: bool, causa
                       qb_per: int, kw: Dict[str, Any]) -> Any:
     """Rows of the global block mask for this rank's query blocks (shard order).
 
-    Non-causal: this rank's queries against all of K (a query block's row depends on that block
-    and on all of K only). Causal: all of Q and all of K, as one GPU would see them."""
+    Non-causal without a local window: this rank's queries against all of K (a query block's row
+    depends on that block and on all of K only). Causal, or with a local window (whose blocks sit
+    at the global query positions): all of Q and all of K, as one GPU would see them."""
     torch = _torch()
     B, Hq, S, D = qh.shape
     Hkv = kh.shape[1]
     G = Hq // Hkv
-    per_kv_head = world * S * D * qh.element_size() * (1 + (G if causal else 0)) * B
+    full_q = causal or bool(kw.get("local_window"))
+    per_kv_head = world * S * D * qh.element_size() * (1 + (G if full_q else 0)) * B
     step = max(1, min(Hkv, PREDICT_GATHER_BYTES // max(1, per_kv_head)))
     to_nat = _natural_index(world, zig, S, qh.device)[0] if zig else None
     parts = []
@@ -396,11 +399,11 @@ def _global_mask_rows(qh: Any, kh: Any, world: int, group: Any, zig: bool, causa
         kfull = _all_gather_seq(kh[:, k0:k1], world, group)
         if zig:
             kfull = kfull.index_select(2, to_nat)
-        if causal:
+        if full_q:
             qfull = _all_gather_seq(qh[:, h0:h1], world, group)
             if zig:
                 qfull = qfull.index_select(2, to_nat)
-            mfull = predict_mask(qfull, kfull, is_causal=True, **sub_kw)
+            mfull = predict_mask(qfull, kfull, is_causal=causal, **sub_kw)
             del qfull
             parts.append(torch.cat([mfull[:, :, g * qb_per:(g + 1) * qb_per] for g in mine], dim=2))
             del mfull
@@ -413,7 +416,8 @@ def _global_mask_rows(qh: Any, kh: Any, world: int, group: Any, zig: bool, causa
 def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool = False,
                    zigzag: Optional[bool] = None, layout: str = "HND", mask: Any = None,
                    topk: Any = 0.5, mode: str = "topk", cdf_threshold: Any = None, sim_threshold: Any = -0.1,
-                   smooth_k: bool = True, attention_sink: bool = False, precision: str = "int8_fp8",
+                   smooth_k: bool = True, attention_sink: Optional[bool] = None,
+                      local_window: Optional[int] = None, estimator: str = "mean", precision: str = "int8_fp8",
                    block_size: Tuple[int, int] = (128, 64), scale: Optional[float] = None,
                    return_lse: bool = False, return_mask: bool = False) -> Any:
     """Sparse attention over the whole sequence, ring style (K/V shards travel around the ring).
@@ -430,8 +434,8 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
             (load balance). Contiguous causal shards work too, unbalanced.
         mask: optional global uint8/bool block mask ``[B, Hq, N/BQ, N/BK]`` in natural token
             order, the same on every rank (no prediction then).
-        topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, precision,
-            block_size, scale: as in :func:`sparge.attention`. The mask is predicted once per
+        topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window,
+            estimator, precision, block_size, scale: as in :func:`sparge.attention`. The mask is predicted once per
             call with these over the global sequence: from this rank's queries and all of K
             (all-gathered), causal from all of Q and K, so each rank keeps exactly the rows of
             the mask one GPU would predict.
@@ -450,8 +454,8 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
     _check_inputs(q, k, v)
     layout = _layout(layout)
     zig = bool(is_causal) if zigzag is None else bool(zigzag)
-    kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, precision,
-                    block_size, scale)
+    kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window, estimator,
+                    precision, block_size, scale)
     rank, world = _group_info(group)
     if world == 1:
         return _single(q, k, v, is_causal, layout, mask, return_lse, return_mask, kw)
