@@ -1,8 +1,8 @@
 // The C entry points of sparge.h: validation, handles, dispatch. No math.
 #include <cinttypes>
+#include <cstdio>
 #include <exception>
 #include <new>
-#include <string>
 
 #include "api/validate.hpp"
 #include "core/backend.hpp"
@@ -95,8 +95,9 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
                     "problem->device_type is CUDA but libsparge was built without CUDA (sparge_has_cuda() == 0)");
       const sparge_status_t st = cuda::check_device(p, &sm);
       if (st != SPARGE_OK) {  // name the argument the device comes from
-        const std::string why = last_error_text();
-        return fail(st, "problem->device_type is CUDA, problem->device_id %d: %s", p.device_id, why.c_str());
+        char why[1024];  // copied: fail() rewrites the message it is formatted from
+        std::snprintf(why, sizeof(why), "%s", last_error_text());
+        return fail(st, "problem->device_type is CUDA, problem->device_id %d: %s", p.device_id, why);
       }
     }
     sparge_plan* plan = new sparge_plan;

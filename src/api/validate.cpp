@@ -79,6 +79,9 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
                 int(device_type));
   const bool gpu = device_type == SPARGE_DEVICE_CUDA;
   if (in.device_id < 0) return fail(INV, "problem->device_id is %d, expected >= 0", int(in.device_id));
+  if (!gpu && in.device_id != 0)
+    return fail(INV, "problem->device_id is %d, expected 0 for a CPU plan (host memory has the one device id 0)",
+                int(in.device_id));
   if (!is_attention_dtype(dtype))
     return fail(INV, "problem->dtype is %s (%d), expected FLOAT16, BFLOAT16 or FLOAT32", dtype_name(dtype),
                 int(dtype));

@@ -128,6 +128,10 @@ TEST_CASE("create_plan rejects bad problems", "[cpu][validation]") {
     p = good;
     p.device_id = -1;
     check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "device_id");
+    for (int id : {1, 5}) {  // a CPU plan has the one device id 0 (its tensors carry 0)
+      p.device_id = id;
+      check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "device_id");
+    }
     p = good;
     p.precision = sparge_precision_t(9);
     check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "precision");

@@ -202,6 +202,7 @@ Expect expect_plan(const sparge_problem_t& p, Resolved* res) {
   if (dev != 0 && dev != 1) return F(INV, "device_type");
   const bool gpu = dev == 1;
   if (p.device_id < 0) return F(INV, "device_id");
+  if (!gpu && p.device_id != 0) return F(INV, "device_id");
   if (dt < 0 || dt > 2) return F(INV, "dtype");
   if (gpu && dt == SPARGE_DTYPE_FLOAT32) return F(UNS, "dtype");
   if (prec < 0 || prec > 4) return F(INV, "precision");
@@ -262,7 +263,7 @@ sparge_problem_t gen_problem(Source& s) {
       }
       case 2: p.heads_kv = p.heads_q > I64MAX - 3 ? p.heads_q - 1 : p.heads_q + s.range(1, 3); break;
       case 3: set_enum(p.device_type, s.pick({1, 2, 77, -1})); break;
-      case 4: p.device_id = s.pick({-1, -100, 1, 7}); break;  // positive ids: a CPU plan ignores them
+      case 4: p.device_id = s.pick({-1, -100, 1, 7}); break;  // a CPU plan refuses any id but 0
       case 5: set_enum(p.dtype, s.pick({3, 4, 5, 77, -1})); break;
       case 6: set_enum(p.precision, s.pick({5, -1, 99})); break;
       case 7: p.head_dim = s.pick({int64_t(257), int64_t(1) << 20, I64MAX}); break;
