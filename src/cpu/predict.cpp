@@ -121,19 +121,25 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
       if (vis > 0) {
         // 3. scores and softmax over the visible entries
         double mx = -INFINITY;
+        bool nonfinite = false;
         for (int64_t kb = 0; kb < vis; ++kb) {
           double s = 0.0;
           for (int64_t c = 0; c < D; ++c) s += double(pq[c]) * double(pk[kb * D + c]);
           const float sf = float(double(p.scale) * s);
           e[size_t(kb)] = sf;
           mx = std::max(mx, double(sf));
+          nonfinite |= !std::isfinite(sf);
         }
-        double tot = 0.0;
-        for (int64_t kb = 0; kb < vis; ++kb) {
-          // A score equal to the maximum weighs 1, also when both are +-inf (a scale so
-          // large that float32 scores overflow): the softmax limit, not the NaN of inf - inf.
-          e[size_t(kb)] = e[size_t(kb)] == mx ? 1.0 : std::exp(e[size_t(kb)] - mx);
-          tot += e[size_t(kb)];
+        if (nonfinite) {
+          // NaN policy: a row with a NaN or infinite score (a non-finite input, or a
+          // scale so large that float32 scores overflow) keeps every visible block, so
+          // the selection never drops a non-finite value.
+          for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;
+        } else {
+          double tot = 0.0;
+          for (int64_t kb = 0; kb < vis; ++kb) {
+            e[size_t(kb)] = std::exp(e[size_t(kb)] - mx);
+            tot += e[size_t(kb)];
         }
         for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
         // 4. selection: probability descending, ties by lower block index
@@ -152,6 +158,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           }
         }
         for (int64_t t = 0; t < n; ++t) keep[size_t(order[size_t(t)])] = 1;
+        }
         // 5. forced blocks
         if (sim_q[bh * nQB + qb] < sim_thr)
           for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;
