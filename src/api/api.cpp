@@ -171,6 +171,11 @@ SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_
     SPARGE_TRY(api::read_params(pl, params, &cfg));
     if (kept_out) SPARGE_TRY(api::check_tensor(pl, kept_out, api::spec_kept(pl, "kept_out")));
     SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
+    {
+      const api::NamedTensor ins[] = {{"q", q}, {"k", k}};
+      const api::NamedTensor outs[] = {{"mask_out", mask_out}, {"kept_out", kept_out}};
+      SPARGE_TRY(api::check_overlap(pl, ins, 2, outs, kept_out ? 2 : 1, workspace));
+    }
 
     const Tensor4 tq = api::to_tensor4(*q), tk = api::to_tensor4(*k);
     const MaskView m = api::to_mask(*mask_out);
@@ -199,6 +204,11 @@ SPARGE_API sparge_status_t sparge_attention_run(sparge_plan_t plan, const sparge
     SPARGE_TRY(api::check_tensor(pl, out, api::spec_q(pl, "out")));
     if (lse) SPARGE_TRY(api::check_tensor(pl, lse, api::spec_lse(pl, "lse")));
     SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
+    {
+      api::NamedTensor ins[4] = {{"q", q}, {"k", k}, {"v", v}, {"mask", mask}};
+      const api::NamedTensor outs[] = {{"out", out}, {"lse", lse}};
+      SPARGE_TRY(api::check_overlap(pl, ins, mask ? 4 : 3, outs, lse ? 2 : 1, workspace));
+    }
 
     const Tensor4 tq = api::to_tensor4(*q), tk = api::to_tensor4(*k), tv = api::to_tensor4(*v),
                   to = api::to_tensor4(*out);

@@ -356,8 +356,10 @@ void head_int8(const Problem& p, const std::vector<float>& qh, const std::vector
           int32_t d = 0;
           const int8_t* kj = kv.k8.data() + j * D;
           for (int64_t c = 0; c < D; ++c) d += int32_t(q8[size_t(c)]) * int32_t(kj[c]);
-          // f may overflow to +inf (a huge scale): 0 * inf is no score; a NaN scale is (NaN policy)
-          return (d == 0 && !std::isnan(f)) ? 0.0f : float(d) * f;
+          // NaN policy: a NaN Q or K scale gives a NaN score. Otherwise f may overflow to +inf or
+          // be 0 * inf = NaN (a huge scale): a zero dot product is no score.
+          if (std::isnan(sq) || std::isnan(kv.sk[size_t(tb)])) return NAN;
+          return d == 0 ? 0.0f : float(d) * f;
         },
         [&](float pj) { return fp8 ? e4m3_round(pj * kFp8Max) : round_to(p.dtype, pj); },
         [&](int64_t j) { return (fp8 ? kv.v8.data() : vh.data()) + j * D; }, v_nonfinite, t, acc, m, l);
