@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing libsparge needs, only where it is missing:
 # cmake, ninja, g++, Catch2 v2 (Debian: catch2), binutils (nm, for the export
-# check), and numpy + pytest for the Python tests. Debian/Ubuntu; run as root
+# check), clang with its sanitizer/libFuzzer runtimes (scripts/sanitize.sh),
+# and numpy + pytest for the Python tests. Debian/Ubuntu; run as root
 # (or with sudo available). The CUDA toolkit is not installed here: the CUDA
 # backend is built when nvcc is found (/usr/local/cuda/bin is added to PATH).
 set -euo pipefail
@@ -16,8 +17,12 @@ command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v nm >/dev/null 2>&1 || missing+=(binutils)
 command -v git >/dev/null 2>&1 || missing+=(git)
+command -v clang++ >/dev/null 2>&1 || missing+=(clang)
 if command -v dpkg >/dev/null 2>&1; then
   have_pkg catch2 || [ -f /usr/include/catch2/catch.hpp ] || missing+=(catch2)
+  # libFuzzer and the sanitizer runtimes (a Recommends of clang, not installed with --no-install-recommends)
+  have_pkg libclang-rt-dev || ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 ||
+    missing+=(libclang-rt-dev)
 fi
 
 if [ ${#missing[@]} -gt 0 ]; then
@@ -30,7 +35,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -q
   $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-  echo "deps: cmake, ninja, g++, binutils, catch2 present"
+  echo "deps: cmake, ninja, g++, binutils, catch2, clang present"
 fi
 
 # Python test dependencies, for the python3 on PATH.
