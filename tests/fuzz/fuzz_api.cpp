@@ -54,7 +54,9 @@ struct Source {
   size_t size = 0, pos = 0;
   uint64_t state = 0;
   uint64_t next() {
-    if (bytes) {
+    // libFuzzer input while it lasts; then the generator (a constant stream
+    // would never leave the harness's "pick another value" loops).
+    if (bytes && pos < size) {
       uint64_t v = 0;
       for (int i = 0; i < 4; ++i) v = (v << 8) | (pos < size ? bytes[pos++] : 0);
       return v * 0x9E3779B97F4A7C15ull ^ (v >> 7);
@@ -968,6 +970,7 @@ void iteration(Source& s) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Source s;
   s.bytes = data;
+  s.state = uint64_t(size) * 0xD1B54A32D192ED03ull;  // after the input runs out
   s.size = size;
   iteration(s);
   return 0;
