@@ -5,7 +5,7 @@
 #
 # build  the library and the sparge tool (scripts/run.sh): CMake >= 3.22, a C
 #        compiler, a C++17 compiler, Ninja or make.
-# test   (default) build, plus what scripts/test.sh needs: Catch2 v2 or v3 as CMake
+# test   (default) build, plus what scripts/test.sh (and scripts/sanitize.sh) needs: Catch2 v2 or v3 as CMake
 #        finds it (the question the test configure asks, through cmake/catch2-probe:
 #        an installed package that CMake does not accept counts as missing) and nm
 #        (binutils, for the export check). Optional: numpy + pytest for the Python
@@ -122,6 +122,12 @@ check_all() {
   else
     need optional "$PY: the Python tests are SKIPPED without it" "python3 python3-numpy python3-pytest" "python numpy pytest"
   fi
+  # clang with libFuzzer and the sanitizer runtimes for scripts/sanitize.sh (the
+  # runtimes are a Recommends of clang, not installed with --no-install-recommends).
+  if command -v clang++ >/dev/null 2>&1 &&
+     ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then ok+=("clang + libFuzzer")
+  else need optional "clang with libFuzzer: scripts/sanitize.sh's libFuzzer job is SKIPPED without it" \
+    "clang libclang-rt-dev" "clangxx compiler-rt"; fi
   if command -v cargo >/dev/null 2>&1; then ok+=("cargo"); else
     opt+=("cargo: the Rust tests are SKIPPED without it (Debian/Ubuntu: apt-get install -y cargo; conda: conda install -c conda-forge rust; or rustup)")
   fi

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <exception>
 #include <new>
-#include <string>
 
 #include "api/validate.hpp"
 #include "core/backend.hpp"
@@ -99,8 +98,9 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
                     "problem->device_type is CUDA but libsparge was built without CUDA (sparge_has_cuda() == 0)");
       const sparge_status_t st = cuda::check_device(p, &sm, &kernel);
       if (st != SPARGE_OK) {  // name the argument the device comes from
-        const std::string why = last_error_text();
-        return fail(st, "problem->device_type is CUDA, problem->device_id %d: %s", p.device_id, why.c_str());
+        char why[1024];  // copied: fail() rewrites the message it is formatted from
+        std::snprintf(why, sizeof(why), "%s", last_error_text());
+        return fail(st, "problem->device_type is CUDA, problem->device_id %d: %s", p.device_id, why);
       }
     }
     sparge_plan* plan = new sparge_plan;
@@ -200,6 +200,11 @@ SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_
     SPARGE_TRY(api::read_params(pl, params, &cfg));
     if (kept_out) SPARGE_TRY(api::check_tensor(pl, kept_out, api::spec_kept(pl, "kept_out")));
     SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
+    {
+      const api::NamedTensor ins[] = {{"q", q}, {"k", k}};
+      const api::NamedTensor outs[] = {{"mask_out", mask_out}, {"kept_out", kept_out}};
+      SPARGE_TRY(api::check_overlap(pl, ins, 2, outs, kept_out ? 2 : 1, workspace));
+    }
 
     const Tensor4 tq = api::to_tensor4(*q), tk = api::to_tensor4(*k);
     const MaskView m = api::to_mask(*mask_out);
@@ -228,6 +233,11 @@ SPARGE_API sparge_status_t sparge_attention_run(sparge_plan_t plan, const sparge
     SPARGE_TRY(api::check_tensor(pl, out, api::spec_q(pl, "out")));
     if (lse) SPARGE_TRY(api::check_tensor(pl, lse, api::spec_lse(pl, "lse")));
     SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
+    {
+      api::NamedTensor ins[4] = {{"q", q}, {"k", k}, {"v", v}, {"mask", mask}};
+      const api::NamedTensor outs[] = {{"out", out}, {"lse", lse}};
+      SPARGE_TRY(api::check_overlap(pl, ins, mask ? 4 : 3, outs, lse ? 2 : 1, workspace));
+    }
 
     const Tensor4 tq = api::to_tensor4(*q), tk = api::to_tensor4(*k), tv = api::to_tensor4(*v),
                   to = api::to_tensor4(*out);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cmath>
 #include <initializer_list>
+#include <utility>
 
 namespace sparge {
 namespace api {
@@ -82,6 +83,9 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
                 int(device_type));
   const bool gpu = device_type == SPARGE_DEVICE_CUDA;
   if (in.device_id < 0) return fail(INV, "problem->device_id is %d, expected >= 0", int(in.device_id));
+  if (!gpu && in.device_id != 0)
+    return fail(INV, "problem->device_id is %d, expected 0 for a CPU plan (host memory has the one device id 0)",
+                int(in.device_id));
   if (!is_attention_dtype(dtype))
     return fail(INV, "problem->dtype is %s (%d), expected FLOAT16, BFLOAT16 or FLOAT32", dtype_name(dtype),
                 int(dtype));
@@ -346,6 +350,90 @@ sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t 
   // Host memory that happens to be 256-byte aligned must not reach a kernel.
   if (need > 0 && plan.prob.device == SPARGE_DEVICE_CUDA)
     SPARGE_TRY(cuda::pointer_on_device(workspace, plan.prob.device_id, "workspace"));
+  return SPARGE_OK;
+}
+
+}  // namespace api
+}  // namespace sparge
+
+namespace sparge {
+namespace api {
+
+namespace {
+
+// Bytes [lo, hi) that a validated tensor spans (first to last byte addressed).
+struct Span {
+  const char* name;
+  uintptr_t lo, hi;
+};
+
+Span span_of(const char* name, const sparge_tensor_t& t) {
+  uint64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] > 1) last += uint64_t(t.shape[d] - 1) * uint64_t(t.strides[d]);
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data);
+  return {name, lo, lo + uintptr_t((last + 1) * dtype_size(t.dtype))};
+}
+
+bool intersect(const Span& a, const Span& b) { return a.lo < b.hi && b.lo < a.hi; }
+
+// Whether distinct indices of a validated tensor always address distinct
+// elements, by the sufficient rule: ordered by stride, each dimension's stride
+// exceeds the largest offset that the smaller-strided dimensions reach. Every
+// permutation of a dense layout, with or without padding, passes.
+bool self_disjoint(const sparge_tensor_t& t) {
+  int dims[4];
+  int n = 0;
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] > 1) dims[n++] = d;
+  for (int i = 1; i < n; ++i)  // insertion sort by stride (n <= 4)
+    for (int j = i; j > 0 && t.strides[dims[j]] < t.strides[dims[j - 1]]; --j) std::swap(dims[j], dims[j - 1]);
+  uint64_t reach = 0;  // largest offset of the dimensions so far
+  for (int i = 0; i < n; ++i) {
+    const int d = dims[i];
+    if (uint64_t(t.strides[d]) <= reach) return false;
+    reach += uint64_t(t.shape[d] - 1) * uint64_t(t.strides[d]);
+  }
+  return true;
+}
+
+}  // namespace
+
+sparge_status_t check_overlap(const Plan& plan, const NamedTensor* inputs, int n_inputs, const NamedTensor* outputs,
+                              int n_outputs, const void* workspace) {
+  Span in[8], out[4];
+  for (int i = 0; i < n_inputs; ++i) in[i] = span_of(inputs[i].name, *inputs[i].t);
+  for (int o = 0; o < n_outputs; ++o) {
+    const sparge_tensor_t& t = *outputs[o].t;
+    if (!self_disjoint(t))
+      return fail(SPARGE_ERR_INVALID_ARGUMENT,
+                  "%s: its strides make distinct elements share memory; an output must not overlap itself",
+                  outputs[o].name);
+    out[o] = span_of(outputs[o].name, t);
+    for (int i = 0; i < n_inputs; ++i)
+      if (intersect(out[o], in[i]))
+        return fail(SPARGE_ERR_INVALID_ARGUMENT,
+                    "%s overlaps %s in memory (bytes %p..%p and %p..%p); outputs must not share memory with any other "
+                    "argument",
+                    out[o].name, in[i].name, reinterpret_cast<void*>(out[o].lo), reinterpret_cast<void*>(out[o].hi),
+                    reinterpret_cast<void*>(in[i].lo), reinterpret_cast<void*>(in[i].hi));
+    for (int p = 0; p < o; ++p)
+      if (intersect(out[o], out[p]))
+        return fail(SPARGE_ERR_INVALID_ARGUMENT, "%s overlaps %s in memory; outputs must not share memory",
+                    out[o].name, out[p].name);
+  }
+  if (workspace != nullptr && plan.ws.total > 0) {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(workspace);
+    const Span ws{"workspace", lo, lo + uintptr_t(plan.ws.total)};
+    for (int i = 0; i < n_inputs + n_outputs; ++i) {
+      const Span& s = i < n_inputs ? in[i] : out[i - n_inputs];
+      if (intersect(ws, s))
+        return fail(SPARGE_ERR_INVALID_ARGUMENT,
+                    "workspace overlaps %s in memory (its first %zu bytes, sparge_plan_workspace_size, must not share "
+                    "memory with any tensor argument)",
+                    s.name, size_t(plan.ws.total));
+    }
+  }
   return SPARGE_OK;
 }
 

@@ -60,5 +60,17 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
 
 sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t workspace_bytes);
 
+// Memory overlap, after every argument has been validated: an output whose
+// strides alias its own elements, an output whose byte range [first, last]
+// intersects any other tensor argument's, or a workspace (its first
+// sparge_plan_workspace_size bytes) intersecting any tensor argument are
+// INVALID_ARGUMENT. Inputs may overlap each other. At most 8 inputs, 4 outputs.
+struct NamedTensor {
+  const char* name;
+  const sparge_tensor_t* t;
+};
+sparge_status_t check_overlap(const Plan& plan, const NamedTensor* inputs, int n_inputs, const NamedTensor* outputs,
+                              int n_outputs, const void* workspace);
+
 }  // namespace api
 }  // namespace sparge

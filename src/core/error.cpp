@@ -4,20 +4,24 @@
 
 namespace sparge {
 namespace {
-thread_local std::string g_last_error;
-}
+// A fixed buffer, not a std::string: setting the message never allocates, so
+// fail() is safe inside a std::bad_alloc handler and cannot throw.
+constexpr size_t kMessageBytes = 1024;
+thread_local char g_last_error[kMessageBytes];
+}  // namespace
 
 sparge_status_t fail(sparge_status_t status, const char* fmt, ...) {
-  char buf[1024];
+  char buf[kMessageBytes];  // formatted apart: an argument may point into g_last_error
   va_list ap;
   va_start(ap, fmt);
-  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  const int n = std::vsnprintf(buf, sizeof(buf), fmt, ap);
   va_end(ap);
-  g_last_error = buf;
+  if (n < 0) buf[0] = '\0';
+  std::snprintf(g_last_error, sizeof(g_last_error), "%s", buf);
   return status;
 }
 
-void clear_error() { g_last_error.clear(); }
-const char* last_error_text() { return g_last_error.c_str(); }
+void clear_error() { g_last_error[0] = '\0'; }
+const char* last_error_text() { return g_last_error; }
 
 }  // namespace sparge

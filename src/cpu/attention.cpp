@@ -19,6 +19,26 @@ constexpr float kLn2 = 0.693147180559945309f;
 // scale): the softmax limit, instead of the NaN of inf - inf.
 inline float stable_exp2(float t, float mx) { return t == mx ? 1.0f : std::exp2(t - mx); }
 
+// ---------------------------------------------------------------- NaN policy
+// (docs/SEMANTICS.md, "Non-finite values".) The max |x| behind an int8/fp8
+// scale propagates NaN (std::max would drop it), and a maximum that is not
+// finite gives the scale NaN; codes under a NaN scale are 0, as on the GPU.
+inline float max_nan(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
+inline float finite_or_nan(float a) { return std::isfinite(a) ? a : NAN; }
+
+// Non-finite flags of the rows of a dense [L, D] buffer.
+std::vector<uint8_t> nonfinite_rows(const std::vector<float>& x, int64_t L, int64_t D) {
+  std::vector<uint8_t> bad(size_t(L), 0);
+  for (int64_t r = 0; r < L; ++r)
+    for (int64_t c = 0; c < D; ++c)
+      if (!std::isfinite(x[size_t(r * D + c)])) {
+        bad[size_t(r)] = 1;
+        break;
+      }
+  return bad;
+}
+bool any_set(const std::vector<uint8_t>& f) { return std::find(f.begin(), f.end(), uint8_t(1)) != f.end(); }
+
 struct HeadIO {
   const Problem& p;
   const Tensor4& out;
@@ -39,10 +59,16 @@ struct HeadIO {
 // acc = acc*alpha + sum round_p(p_j) * v_j; a step without a used key is
 // skipped. score(j, tile) gives t_j for a used key j; v_row(j) its D values of
 // V. Leaves l == 0 when the row uses no key.
+//
+// NaN policy: a NaN score of a used key makes the whole row NaN (m, l and acc
+// are NaN on return). With v_nonfinite (V holds a NaN or Inf somewhere), every
+// key of a listed tile that the row does not use still adds 0 * v_j to acc, as
+// the GPU kernels' tile products do (weight 0 for masked keys; 0 * NaN and
+// 0 * inf are NaN), also in steps where the row uses no key.
 template <class Score, class RoundP, class VRow>
 void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<int64_t>& tiles, int per_step,
-                        Score score, RoundP round_p, VRow v_row, std::vector<float>& t, std::vector<float>& acc,
-                        float& m, float& l) {
+                        Score score, RoundP round_p, VRow v_row, bool v_nonfinite, std::vector<float>& t,
+                        std::vector<float>& acc, float& m, float& l) {
   const int64_t D = p.D;
   m = -INFINITY;
   l = 0.0f;
@@ -52,19 +78,29 @@ void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<i
   for (size_t s0 = 0; s0 < n_tiles; s0 += size_t(per_step)) {
     const size_t s1 = std::min(n_tiles, s0 + size_t(per_step));
     float tmax = -INFINITY;
-    bool any = false;
+    bool any = false, nan = false;
     for (size_t u = s0; u < s1; ++u) {
       const int64_t tb = tiles[u], j0 = tb * kTile, j1 = std::min(p.Lkv, j0 + kTile);
       for (int64_t j = j0; j < j1; ++j) {
         float& tj = t[size_t(int64_t(u - s0) * kTile + (j - j0))];
         if (!rm.used(j)) {
           tj = -INFINITY;
+          if (v_nonfinite) {
+            const float* vj = v_row(j);
+            for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += 0.0f * vj[c];
+          }
           continue;
         }
         any = true;
         tj = score(j, tb);
+        nan |= std::isnan(tj);
         tmax = std::max(tmax, tj);
       }
+    }
+    if (nan) {
+      m = l = NAN;
+      std::fill(acc.begin(), acc.end(), NAN);
+      return;
     }
     if (!any) continue;
     const float mn = std::max(m, tmax);
@@ -89,14 +125,8 @@ void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<i
   }
 }
 
-// Every 64-key tile, ascending (the FP16 mode steps over each alone).
-std::vector<int64_t> all_tiles(const Problem& p) {
-  std::vector<int64_t> tiles(size_t((p.Lkv + kTile - 1) / kTile));
-  for (size_t u = 0; u < tiles.size(); ++u) tiles[u] = int64_t(u);
-  return tiles;
-}
-
-// The listed tiles of query block qb (INT8_FP8): 64-key tiles holding a key of
+// The listed tiles of query block qb (every mode; FP16 steps over each alone):
+// 64-key tiles holding a key of
 // a kept, causally visible block of the row, ascending. With 64-key mask
 // blocks these are the kept visible blocks themselves, i.e. the GPU's per-row
 // index list; consecutive pairs of it form the 128-key steps.
@@ -113,21 +143,47 @@ void listed_tiles(const Problem& p, const MaskView& m, int64_t b, int64_t h, int
   }
 }
 
+// The unused keys of the listed tiles (row rm, tiles of its query block) add
+// 0 * v_j to the row, as in the 16-bit modes' tile products: a channel with a
+// non-finite v among them becomes NaN (unless it is already non-finite).
+void nan_v_channels(const Problem& p, const RowMask& rm, const std::vector<int64_t>& tiles,
+                    const std::vector<float>& vh, float* o) {
+  const int64_t D = p.D;
+  for (const int64_t tb : tiles)
+    for (int64_t j = tb * kTile, j1 = std::min(p.Lkv, tb * kTile + kTile); j < j1; ++j) {
+      if (rm.used(j)) continue;
+      for (int64_t c = 0; c < D; ++c)
+        if (!std::isfinite(vh[size_t(j * D + c)]) && std::isfinite(o[c])) o[c] = NAN;
+    }
+}
+
 // ---------------------------------------------------------------- EXACT
 // float64 throughout, two passes (max, then exp-sum and weighted sum).
+// NaN policy: a non-finite q row or k row makes the score NaN, and a NaN score
+// of a used key makes the row NaN; a non-finite v element reaches channel c of
+// every row whose listed tiles hold its key (nan_v_channels).
 void head_exact(const Problem& p, const std::vector<float>& qh, const std::vector<float>& kh,
                 const std::vector<float>& vh, const MaskView& mask, const HeadIO& io) {
   const int64_t D = p.D;
   std::vector<double> s(static_cast<size_t>(p.Lkv)), o(static_cast<size_t>(D));
   std::vector<float> of(static_cast<size_t>(D));
+  const std::vector<uint8_t> qbad = nonfinite_rows(qh, p.Lq, D), kbad = nonfinite_rows(kh, p.Lkv, D);
+  const bool v_nonfinite = any_set(nonfinite_rows(vh, p.Lkv, D));
+  std::vector<int64_t> tiles;
   for (int64_t i = 0; i < p.Lq; ++i) {
+    if (v_nonfinite && i % p.BQ == 0) listed_tiles(p, mask, io.b, io.h, i / p.BQ, tiles);
     const RowMask rm = row_mask(p, mask, io.b, io.h, i);
     const float* qi = qh.data() + i * D;
     double mx = -INFINITY;
+    bool nan = false;
     for (int64_t j = 0; j < p.Lkv; ++j) {
       if (!rm.used(j)) {
         s[size_t(j)] = -INFINITY;
         continue;
+      }
+      if (qbad[size_t(i)] || kbad[size_t(j)]) {
+        nan = true;
+        break;
       }
       double d = 0.0;
       const float* kj = kh.data() + j * D;
@@ -135,8 +191,14 @@ void head_exact(const Problem& p, const std::vector<float>& qh, const std::vecto
       s[size_t(j)] = double(p.scale) * d;
       mx = std::max(mx, s[size_t(j)]);
     }
+    if (nan) {
+      std::fill(of.begin(), of.end(), NAN);
+      io.write_row(i, of.data(), NAN);
+      continue;
+    }
     if (mx == -INFINITY) {  // no used key
       std::fill(of.begin(), of.end(), 0.0f);
+      if (v_nonfinite) nan_v_channels(p, rm, tiles, vh, of.data());
       io.write_row(i, of.data(), -INFINITY);
       continue;
     }
@@ -150,6 +212,7 @@ void head_exact(const Problem& p, const std::vector<float>& qh, const std::vecto
       for (int64_t c = 0; c < D; ++c) o[size_t(c)] += e * double(vj[c]);
     }
     for (int64_t c = 0; c < D; ++c) of[size_t(c)] = float(o[size_t(c)] / sum);
+    if (v_nonfinite) nan_v_channels(p, rm, tiles, vh, of.data());
     io.write_row(i, of.data(), float(mx + std::log(sum)));
   }
 }
@@ -162,23 +225,27 @@ void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector
   const int64_t D = p.D;
   const float cexp = p.scale * kLog2e;
   std::vector<float> t, acc(static_cast<size_t>(D));
-  const std::vector<int64_t> tiles = all_tiles(p);
+  const std::vector<uint8_t> qbad = nonfinite_rows(qh, p.Lq, D), kbad = nonfinite_rows(kh, p.Lkv, D);
+  const bool v_nonfinite = any_set(nonfinite_rows(vh, p.Lkv, D));
+  std::vector<int64_t> tiles;
   for (int64_t i = 0; i < p.Lq; ++i) {
+    if (i % p.BQ == 0) listed_tiles(p, mask, io.b, io.h, i / p.BQ, tiles);
     const RowMask rm = row_mask(p, mask, io.b, io.h, i);
     const float* qi = qh.data() + i * D;
     float m, l;
     online_softmax_row(
         p, rm, tiles, 1,
         [&](int64_t j, int64_t) {
+          if (qbad[size_t(i)] || kbad[size_t(j)]) return NAN;  // NaN policy: a non-finite q or k row
           float d = 0.0f;
           const float* kj = kh.data() + j * D;
           for (int64_t c = 0; c < D; ++c) d += qi[c] * kj[c];
           return d == 0.0f ? 0.0f : d * cexp;  // cexp may be +inf for a huge scale: 0 * inf is no score
         },
-        [&](float pj) { return round_to(p.dtype, pj); }, [&](int64_t j) { return vh.data() + j * D; }, t, acc, m,
-        l);
-    if (l == 0.0f) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+        [&](float pj) { return round_to(p.dtype, pj); }, [&](int64_t j) { return vh.data() + j * D; },
+        v_nonfinite, t, acc, m, l);
+    if (l == 0.0f) {  // no used key: zeros (NaN in a channel that a listed tile's non-finite v reaches)
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = std::isnan(acc[size_t(c)]) ? NAN : 0.0f;
       io.write_row(i, acc.data(), -INFINITY);
       continue;
     }
@@ -204,6 +271,10 @@ inline int8_t quant_i8(float x, float inv) {
   return int8_t(r);
 }
 
+// Scale factor a / div of a max |x| (NaN policy: a non-finite maximum gives
+// NaN); whether codes are computed (a > 0: false for 0 and NaN).
+inline float amax_scale(float a, float div) { return a == 0.0f ? 0.0f : a / div; }
+
 void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vector<float>& vh,
                  const float* mu, QuantKV& qkv) {
   const int64_t D = p.D, nT = (p.Lkv + kTile - 1) / kTile;
@@ -217,10 +288,11 @@ void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vect
       for (int64_t c = 0; c < D; ++c) {
         const float x = kh[size_t(j * D + c)] - mu[c];
         ks[size_t((j - j0) * D + c)] = x;
-        a = std::max(a, std::fabs(x));
+        a = max_nan(a, std::fabs(x));
       }
-    if (a == 0.0f) continue;  // scale 0, codes 0
-    qkv.sk[size_t(tb)] = a / 127.0f;
+    a = finite_or_nan(a);
+    qkv.sk[size_t(tb)] = amax_scale(a, 127.0f);
+    if (!(a > 0.0f)) continue;  // scale 0 or NaN, codes 0
     const float inv = 127.0f / a;
     for (int64_t j = j0; j < j1; ++j)
       for (int64_t c = 0; c < D; ++c) qkv.k8[size_t(j * D + c)] = quant_i8(ks[size_t((j - j0) * D + c)], inv);
@@ -230,9 +302,10 @@ void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vect
   qkv.v8.assign(size_t(p.Lkv * D), 0.0f);
   for (int64_t c = 0; c < D; ++c) {
     float a = 0.0f;
-    for (int64_t j = 0; j < p.Lkv; ++j) a = std::max(a, std::fabs(vh[size_t(j * D + c)]));
-    if (a == 0.0f) continue;
-    qkv.sv[size_t(c)] = a / kFp8Max;
+    for (int64_t j = 0; j < p.Lkv; ++j) a = max_nan(a, std::fabs(vh[size_t(j * D + c)]));
+    a = finite_or_nan(a);
+    qkv.sv[size_t(c)] = amax_scale(a, kFp8Max);
+    if (!(a > 0.0f)) continue;  // scale 0 or NaN (the whole channel dequantizes to NaN), codes 0
     const float inv = kFp8Max / a;
     for (int64_t j = 0; j < p.Lkv; ++j) {
       const float y = vh[size_t(j * D + c)] * inv, hi = e4m3_round(y);
@@ -255,18 +328,20 @@ void head_int8(const Problem& p, const std::vector<float>& qh, const std::vector
   std::vector<int8_t> q8(static_cast<size_t>(D));
   std::vector<float> t, acc(static_cast<size_t>(D));
   std::vector<int64_t> tiles;
+  // INT8_FP16 multiplies V as given (the fp8 codes are always finite).
+  const bool v_nonfinite = !fp8 && any_set(nonfinite_rows(vh, p.Lkv, D));
   for (int64_t i = 0; i < p.Lq; ++i) {
     if (i % p.BQ == 0) listed_tiles(p, mask, io.b, io.h, i / p.BQ, tiles);
     const RowMask rm = row_mask(p, mask, io.b, io.h, i);
     const float* qi = qh.data() + i * D;
     // per-token Q quantization
     float a = 0.0f;
-    for (int64_t c = 0; c < D; ++c) a = std::max(a, std::fabs(qi[c]));
-    float sq = 0.0f;
-    if (a == 0.0f) {
+    for (int64_t c = 0; c < D; ++c) a = max_nan(a, std::fabs(qi[c]));
+    a = finite_or_nan(a);
+    const float sq = amax_scale(a, 127.0f);
+    if (!(a > 0.0f)) {  // scale 0 or NaN: codes 0
       std::fill(q8.begin(), q8.end(), int8_t(0));
     } else {
-      sq = a / 127.0f;
       const float inv = 127.0f / a;
       for (int64_t c = 0; c < D; ++c) q8[size_t(c)] = quant_i8(qi[c], inv);
     }
@@ -279,17 +354,24 @@ void head_int8(const Problem& p, const std::vector<float>& qh, const std::vector
           int32_t d = 0;
           const int8_t* kj = kv.k8.data() + j * D;
           for (int64_t c = 0; c < D; ++c) d += int32_t(q8[size_t(c)]) * int32_t(kj[c]);
-          return d == 0 ? 0.0f : float(d) * f;  // f may overflow to +inf: 0 * inf is no score
+          // NaN policy: a NaN Q or K scale gives a NaN score. Otherwise f may overflow to +inf or
+          // be 0 * inf = NaN (a huge scale): a zero dot product is no score.
+          if (std::isnan(sq) || std::isnan(kv.sk[size_t(tb)])) return NAN;
+          return d == 0 ? 0.0f : float(d) * f;
         },
         [&](float pj) { return fp8 ? e4m3_round(pj * kFp8Max) : round_to(p.dtype, pj); },
-        [&](int64_t j) { return (fp8 ? kv.v8.data() : vh.data()) + j * D; }, t, acc, m, l);
-    if (l == 0.0f) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+        [&](int64_t j) { return (fp8 ? kv.v8.data() : vh.data()) + j * D; }, v_nonfinite, t, acc, m, l);
+    if (l == 0.0f) {  // no used key: zeros; NaN in a channel with a NaN V scale (fp8) or one that a
+                      // listed tile's non-finite v reaches (INT8_FP16)
+      for (int64_t c = 0; c < D; ++c)
+        acc[size_t(c)] = (std::isnan(acc[size_t(c)]) || (fp8 && std::isnan(kv.sv[size_t(c)]))) ? NAN : 0.0f;
       io.write_row(i, acc.data(), -INFINITY);
       continue;
     }
     if (fp8) {
-      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = acc[size_t(c)] * (kv.sv[size_t(c)] / kFp8Max) / l;
+      // (acc / l) first: acc * (sv / 448) is the unnormalized sum of p·v, which overflows
+      // float32 for |v| near the bf16 maximum; acc / l is at most 448 * 448.
+      for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = (acc[size_t(c)] / l) * (kv.sv[size_t(c)] / kFp8Max);
     } else {
       for (int64_t c = 0; c < D; ++c) acc[size_t(c)] = acc[size_t(c)] / l;
     }

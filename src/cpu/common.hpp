@@ -1,6 +1,7 @@
 // Helpers shared by the CPU reference backend's parts.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -14,8 +15,14 @@
 namespace sparge {
 namespace cpu {
 
-// Runs fn(i) for i in [0, n) on up to hardware_concurrency threads. The first
-// exception thrown by any task is rethrown on the calling thread.
+// Runs fn(i) for i in [0, n) on up to hardware_concurrency threads (at most
+// 16), the calling thread included; tasks are handed out one at a time from a
+// shared counter, so every task runs exactly once however many workers run.
+// When the system refuses a worker thread (std::thread throws: a pids/nproc
+// limit, no memory for its stack), no further workers are started and the
+// tasks run on the threads already running, at the least the caller's, so the
+// result is the same. The first exception thrown by any task is rethrown on
+// the calling thread after every worker has been joined.
 inline void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
   unsigned hw = std::thread::hardware_concurrency();
@@ -26,18 +33,36 @@ inline void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
   }
   std::exception_ptr err;
   std::mutex mu;
-  auto worker = [&](int64_t t) {
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> stop{false};
+  auto worker = [&]() {
     try {
-      for (int64_t i = t; i < n; i += nt) fn(i);
+      for (;;) {
+        if (stop.load(std::memory_order_relaxed)) return;
+        const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= n) return;
+        fn(i);
+      }
     } catch (...) {
+      stop.store(true, std::memory_order_relaxed);
       std::lock_guard<std::mutex> lock(mu);
       if (!err) err = std::current_exception();
     }
   };
   std::vector<std::thread> threads;
-  threads.reserve(size_t(nt - 1));
-  for (int64_t t = 1; t < nt; ++t) threads.emplace_back(worker, t);
-  worker(0);
+  try {
+    threads.reserve(size_t(nt - 1));
+  } catch (...) {
+    // no room for the handles: run on the calling thread alone
+  }
+  for (int64_t t = 1; t < nt && threads.size() < threads.capacity(); ++t) {
+    try {
+      threads.emplace_back(worker);
+    } catch (...) {  // std::system_error (EAGAIN) or std::bad_alloc: run with the workers started
+      break;
+    }
+  }
+  worker();
   for (auto& th : threads) th.join();
   if (err) std::rethrow_exception(err);
 }

@@ -127,6 +127,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
         // keys visible to the block's last row (KEYS_LSE)
         const int64_t last_key = p.causal ? causal_last_key(std::min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv)
                                           : p.Lkv - 1;
+        bool nonfinite = false;
         for (int64_t kb = 0; kb < vis; ++kb) {
           float sf;
           if (keys_lse) {
@@ -149,13 +150,18 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           }
           e[size_t(kb)] = sf;
           mx = std::max(mx, double(sf));
+          nonfinite |= !std::isfinite(sf);
         }
-        double tot = 0.0;
-        for (int64_t kb = 0; kb < vis; ++kb) {
-          // A score equal to the maximum weighs 1, also when both are +-inf (a scale so
-          // large that float32 scores overflow): the softmax limit, not the NaN of inf - inf.
-          e[size_t(kb)] = e[size_t(kb)] == mx ? 1.0 : std::exp(e[size_t(kb)] - mx);
-          tot += e[size_t(kb)];
+        if (nonfinite) {
+          // NaN policy: a row with a NaN or infinite score (a non-finite input, or a
+          // scale so large that float32 scores overflow) keeps every visible block, so
+          // the selection never drops a non-finite value.
+          for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;
+        } else {
+          double tot = 0.0;
+          for (int64_t kb = 0; kb < vis; ++kb) {
+            e[size_t(kb)] = std::exp(e[size_t(kb)] - mx);
+            tot += e[size_t(kb)];
         }
         for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
         // 4. selection: the budget's forced blocks first (sink, local window, causal
@@ -181,6 +187,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           }
         }
         for (int64_t t = 0; t < n; ++t) keep[size_t(order[size_t(t)])] = 1;
+        }
         // 5. forced blocks
         if (sim_q[bh * nQB + qb] < sim_thr)
           for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;

@@ -76,7 +76,7 @@ TEST_CASE("twin: Q codes use round-half-even and a per-token scale", "[cpu][twin
 }
 
 TEST_CASE("twin: V uses per-channel scales and e4m3 with ties to even", "[cpu][twin]") {
-  // Two identical keys: p = 1 for both, l = 2, o = (e4m3(448) * (v8_0 + v8_1)) * (sv/448) / 2.
+  // Two identical keys: p = 1 for both, l = 2, o = (e4m3(448) * (v8_0 + v8_1) / 2) * (sv/448).
   // v = [448, x] per channel: sv = 1, v8 = [448, e4m3(x)].
   struct Case {
     float x, rounded;
@@ -229,7 +229,7 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
     double qmu = 0;
     for (int64_t c = 0; c < D; ++c) qmu += double(q[size_t(i * D + c)]) * double(mu[size_t(c)]);
     for (int64_t c = 0; c < D; ++c)
-      out[size_t(i * D + c)] = vmode == 2 ? acc[size_t(c)] / l : acc[size_t(c)] * (sv[size_t(c)] / 448.0f) / l;
+      out[size_t(i * D + c)] = vmode == 2 ? acc[size_t(c)] / l : (acc[size_t(c)] / l) * (sv[size_t(c)] / 448.0f);
     lse[size_t(i)] = m * 0.693147180559945309f + std::log(l) + float(double(scale) * qmu);
   }
 }

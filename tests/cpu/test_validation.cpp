@@ -131,6 +131,10 @@ TEST_CASE("create_plan rejects bad problems", "[cpu][validation]") {
     p = good;
     p.device_id = -1;
     check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "device_id");
+    for (int id : {1, 5}) {  // a CPU plan has the one device id 0 (its tensors carry 0)
+      p.device_id = id;
+      check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "device_id");
+    }
     p = good;
     p.precision = sparge_precision_t(9);
     check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "precision");
@@ -376,6 +380,38 @@ TEST_CASE("attention_run and predict_mask reject bad tensors", "[cpu][validation
     CHECK_FAILS(g.attn(), INV, "q: the extent");
     g.tq = g.q.t;
   }
+  SECTION("overlapping memory") {
+    // out aliasing itself: rows of 16 elements 8 apart
+    g.tout.strides[2] = 8;
+    CHECK_FAILS(g.attn(), INV, "out: its strides make distinct elements share memory");
+    g.tout = g.out.t;
+    // out written over q (in place), over v's last element, lse over k
+    g.tout.data = g.tq.data;
+    CHECK_FAILS(g.attn(), INV, "out overlaps q");
+    g.tout = g.out.t;
+    g.tlse.data = g.tk.data;
+    CHECK_FAILS(g.attn(), INV, "lse overlaps k");
+    g.tlse = g.lse.t;
+    g.tlse.data = static_cast<unsigned char*>(g.tout.data) + 64;
+    CHECK_FAILS(g.attn(), INV, "lse overlaps out");
+    g.tlse = g.lse.t;
+    g.tmask.data = static_cast<unsigned char*>(g.tout.data) + 2 * (g.out.bytes / 2 - 1);  // out's last element
+    CHECK_FAILS(g.attn(), INV, "out overlaps mask");
+    g.tmask = g.mask.t;
+    // the workspace over an input or an output
+    CHECK_FAILS(sparge_attention_run(g.p(), &g.tq, &g.tk, &g.tv, &g.tmask, &g.params, &g.tout, &g.tlse, g.tv.data,
+                                     g.ws_bytes, nullptr),
+                INV, "workspace overlaps v");
+    CHECK_FAILS(sparge_predict_mask(g.p(), &g.tq, &g.tk, &g.params, &g.tmask_out, &g.tkept, g.tkept.data,
+                                    g.ws_bytes, nullptr),
+                INV, "workspace overlaps kept_out");
+    g.tmask_out.data = g.tk.data;
+    CHECK_FAILS(g.pred(), INV, "mask_out overlaps k");
+    g.tmask_out = g.mask_out.t;
+    g.tkept.data = g.tmask_out.data;
+    CHECK_FAILS(g.pred(), INV, "kept_out overlaps mask_out");
+    g.tkept = g.kept.t;
+  }
   SECTION("devices") {
     g.tq.device_type = SPARGE_DEVICE_CUDA;
     CHECK_FAILS(g.attn(), INV, "q->device_type");
@@ -571,4 +607,11 @@ TEST_CASE("sparge_plan_kernel_info: what a CPU plan runs, and its argument check
   CHECK(std::string(sparge_last_error()).rfind("info", 0) == 0);
   CHECK(sparge_plan_kernel_info(nullptr, &ki) == SPARGE_ERR_INVALID_ARGUMENT);
   sparge_destroy_plan(plan);
+}
+
+TEST_CASE("inputs may share memory with each other", "[cpu][validation]") {
+  Fixture g;
+  g.tv = g.tk;  // v is k
+  CHECK(g.attn() == SPARGE_OK);
+  CHECK(g.out.snapshot() != g.out0);
 }

@@ -234,3 +234,72 @@ def test_threads(rng):
         outs = list(ex.map(lambda _: sparge.attention(q, k, v, precision="exact"), range(8)))
     for o in outs:
         np.testing.assert_array_equal(o, want)
+
+
+def test_clear_caches_drops_every_threads_workspace(rng):
+    """clear_caches() releases the host workspaces of all threads, not only the caller's."""
+    import threading
+    from sparge import _arrays
+
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=32)
+    sparge.clear_caches()
+    want = sparge.attention(q, k, v, precision="exact")
+    go, done = threading.Event(), threading.Event()
+    outs = []
+
+    def worker():
+        outs.append(sparge.attention(q, k, v, precision="exact"))
+        go.set()
+        done.wait(30)  # alive (its buffer registered) until the main thread has cleared
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert go.wait(30)
+    assert len(_arrays.NUMPY._ws) == 2  # this thread's and the worker's
+    sparge.clear_caches()
+    assert len(_arrays.NUMPY._ws) == 0
+    done.set()
+    t.join()
+    np.testing.assert_array_equal(outs[0], want)
+    np.testing.assert_array_equal(sparge.attention(q, k, v, precision="exact"), want)  # reallocates
+    assert len(_arrays.NUMPY._ws) == 1
+
+
+def test_thread_buffers_of_finished_threads_are_dropped():
+    import threading
+    from sparge._arrays import _ThreadBuffers
+
+    tb = _ThreadBuffers()
+    ts = [threading.Thread(target=lambda: tb.get(16, len, bytearray)) for _ in range(5)]
+    for t in ts:
+        t.start()
+        t.join()
+    assert len(tb) <= 1  # each new thread dropped the entries of the finished ones
+    tb.get(16, len, bytearray)
+    assert len(tb) == 1
+
+
+def test_stream_workspace_cache_is_bounded():
+    """Per-stream workspaces are evicted least recently used beyond the capacity."""
+    from sparge._arrays import _StreamBuffers
+
+    sb = _StreamBuffers(capacity=3)
+    made = []
+
+    def make(n):
+        made.append(n)
+        return bytearray(n)
+
+    for s in range(10):
+        sb.get((0, s), 64, len, make)
+    assert len(sb) == 3 and len(made) == 10
+    a = sb.get((0, 9), 64, len, make)   # hit: no allocation, becomes most recent
+    assert len(made) == 10
+    sb.get((0, 7), 64, len, make)
+    sb.get((1, 5), 64, len, make)        # evicts (0, 8), the least recently used
+    assert sb.get((0, 9), 64, len, make) is a and len(made) == 11
+    sb.get((0, 8), 64, len, make)
+    assert len(made) == 12
+    assert sb.get((0, 9), 128, len, make) is not a  # too small: replaced
+    sb.clear()
+    assert len(sb) == 0

@@ -35,6 +35,12 @@ def expect(exc, words, fn, *a, **kw):
     (dict(sim_threshold=float("inf")), ["sim_threshold"]),
     (dict(block_size="big"), ["block_size"]),
     (dict(block_size=(128,)), ["block_size"]),
+    (dict(block_size=(2 ** 32 + 16, 64)), ["block_size", "block_q", str(2 ** 32 + 16)]),
+    (dict(block_size=(64, -(2 ** 32) + 16)), ["block_size", "block_k"]),
+    (dict(block_size=(1.9, 64)), ["block_size", "block_q", "1.9"]),
+    (dict(block_size=(True, 64)), ["block_size", "block_q", "True"]),
+    (dict(block_size=(64, np.float32(32))), ["block_size", "block_k"]),
+    (dict(block_size=(64, "32")), ["block_size", "block_k"]),
     (dict(scale=-1.0), ["scale"]),
     (dict(scale=float("nan")), ["scale"]),
 ])
@@ -107,3 +113,12 @@ def test_compat_unsupported(qkv):
            tensor_layout="LHD")
     expect(sparge.InvalidArgumentError, ["tensor_layout"], sparge.block_sparse_sage2_attn_cuda, q, k, v,
            tensor_layout="LHD")
+
+
+def test_block_size_exact_ints_accepted(qkv):
+    """numpy integers are ints; the values reach the plan unchanged."""
+    q, k, v = qkv
+    a = sparge.predict_mask(q, k, topk=0.5, block_size=(np.int64(64), 32), precision="exact")
+    b = sparge.predict_mask(q, k, topk=0.5, block_size=(64, np.int32(32)), precision="exact")
+    assert a.shape == b.shape == (1, 4, 2, 6)
+    np.testing.assert_array_equal(a, b)

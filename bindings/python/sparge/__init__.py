@@ -99,12 +99,15 @@ def has_cuda() -> bool:
 
 
 def clear_caches() -> None:
-    """Drops cached plans, workspaces and per-head parameter arrays."""
+    """Drops cached plans, every thread's workspace buffers and the per-head parameter arrays."""
     from . import _arrays, _core
 
     _core.PLANS.clear()
+    _arrays.NUMPY.clear()
     if _arrays._TORCH is not None:
         _arrays._TORCH.clear()
+    if _arrays._CUPY is not None:
+        _arrays._CUPY.clear()
 
 
 # Register the torch custom ops now if the program already uses torch (so that

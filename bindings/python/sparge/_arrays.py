@@ -9,6 +9,7 @@ workspaces in the same framework and memory space as the inputs.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import sys
 import threading
@@ -406,11 +407,74 @@ def framework_of(obj: Any) -> str:
 _ALIGN = 256
 
 
+class _ThreadBuffers:
+    """One host workspace buffer per thread, in a registry that :meth:`clear` can empty
+    for all threads at once (a ``threading.local`` can only be reached by its own
+    thread). Entries of finished threads are dropped when a thread adds its own."""
+
+    def __init__(self) -> None:
+        self._bufs: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, need: int, size_of: Any, make: Any) -> Any:
+        tid = threading.get_ident()
+        with self._lock:
+            buf = self._bufs.get(tid)
+        if buf is not None and size_of(buf) >= need:
+            return buf
+        buf = make(need)
+        with self._lock:
+            alive = {t.ident for t in threading.enumerate()}
+            for t in [t for t in self._bufs if t not in alive]:
+                del self._bufs[t]
+            self._bufs[tid] = buf
+        return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._bufs)
+
+
+class _StreamBuffers:
+    """Workspace buffers per (device, stream), least recently used evicted beyond
+    ``capacity`` entries. Dropping a buffer is safe while work that uses it is still
+    queued: each buffer is allocated on the stream it serves, and the caching
+    allocators (torch, cupy) reuse a freed block for that stream only in stream order."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._d: "collections.OrderedDict[Tuple[int, int], Any]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Tuple[int, int], need: int, size_of: Any, make: Any) -> Any:
+        with self._lock:
+            buf = self._d.get(key)
+            if buf is None or size_of(buf) < need:
+                buf = make(need)
+                self._d[key] = buf
+            self._d.move_to_end(key)
+            while len(self._d) > self.capacity:
+                self._d.popitem(last=False)
+            return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._d)
+
+
 class NumpyAllocator:
     """Host outputs and workspaces (CPU backend)."""
 
     def __init__(self) -> None:
-        self._tls = threading.local()
+        self._ws = _ThreadBuffers()
 
     def empty(self, shape: Sequence[int], dtype: str, like: View) -> Tuple[Any, View]:
         if dtype == "bfloat16":
@@ -427,12 +491,12 @@ class NumpyAllocator:
             return 0, None
         # Per thread: the CPU backend runs synchronously, so a thread's buffer is free again
         # when its call returns.
-        buf = getattr(self._tls, "buf", None)
-        if buf is None or buf.nbytes < nbytes + _ALIGN:
-            buf = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-            self._tls.buf = buf
+        buf = self._ws.get(nbytes + _ALIGN, lambda b: b.nbytes, lambda n: np.empty(n, dtype=np.uint8))
         base = buf.__array_interface__["data"][0]
         return (base + _ALIGN - 1) // _ALIGN * _ALIGN, buf
+
+    def clear(self) -> None:
+        self._ws.clear()
 
     def per_head(self, values: Sequence[float], like: View) -> Tuple[int, Any]:
         a = np.ascontiguousarray(np.asarray(values, dtype=np.float32))
@@ -443,10 +507,10 @@ class TorchAllocator:
     """Outputs and workspaces from torch's allocator, on the inputs' device."""
 
     def __init__(self) -> None:
-        self._ws: Dict[Tuple[str, int], Any] = {}
+        self._ws = _StreamBuffers()
+        self._host = _ThreadBuffers()
         self._heads: Dict[Tuple[str, Tuple[float, ...]], Any] = {}
         self._lock = threading.Lock()
-        self._tls = threading.local()
 
     @staticmethod
     def _torch_dtype(dtype: str) -> Any:
@@ -470,23 +534,17 @@ class TorchAllocator:
         device = like.keep.device if is_torch_tensor(like.keep) else self._device(like)
         need = nbytes + _ALIGN
         if like.device_type == C.DEVICE_CPU:
-            buf = getattr(self._tls, "buf", None)
-            if buf is None or buf.numel() < need:
-                buf = torch.empty(need, dtype=torch.uint8)
-                self._tls.buf = buf
+            buf = self._host.get(need, lambda b: b.numel(), lambda n: torch.empty(n, dtype=torch.uint8))
         elif torch.cuda.is_current_stream_capturing():
             # Inside a CUDA graph capture: a fresh buffer from the graph's private pool,
             # owned by the graph for its lifetime.
             buf = torch.empty(need, dtype=torch.uint8, device=device)
         else:
             # Reused per (device, stream): work on one stream is ordered, so a buffer is free
-            # for the next call on the same stream once this one is enqueued.
-            key = (like.device_id, stream)
-            with self._lock:
-                buf = self._ws.get(key)
-                if buf is None or buf.numel() < need:
-                    buf = torch.empty(need, dtype=torch.uint8, device=device)
-                    self._ws[key] = buf
+            # for the next call on the same stream once this one is enqueued. Allocated on
+            # that stream (the current one), so evicting it is stream-safe.
+            buf = self._ws.get((like.device_id, int(stream)), need, lambda b: b.numel(),
+                               lambda n: torch.empty(n, dtype=torch.uint8, device=device))
         base = buf.data_ptr()
         return (base + _ALIGN - 1) // _ALIGN * _ALIGN, buf
 
@@ -510,8 +568,9 @@ class TorchAllocator:
         return t.data_ptr(), t
 
     def clear(self) -> None:
+        self._ws.clear()
+        self._host.clear()
         with self._lock:
-            self._ws.clear()
             self._heads.clear()
 
 
@@ -519,8 +578,7 @@ class CupyAllocator:
     """Outputs and workspaces from cupy's memory pool (inputs that are cupy arrays)."""
 
     def __init__(self) -> None:
-        self._ws: Dict[Tuple[int, int], Any] = {}
-        self._lock = threading.Lock()
+        self._ws = _StreamBuffers()
 
     def empty(self, shape: Sequence[int], dtype: str, like: View) -> Tuple[Any, View]:
         import cupy  # noqa: WPS433 - optional
@@ -536,13 +594,11 @@ class CupyAllocator:
             return 0, None
         import cupy
 
-        key = (like.device_id, int(stream))
-        with self._lock:
-            buf = self._ws.get(key)
-            if buf is None or buf.nbytes < nbytes + _ALIGN:
-                with cupy.cuda.Device(like.device_id):
-                    buf = cupy.empty(nbytes + _ALIGN, dtype=cupy.uint8)
-                self._ws[key] = buf
+        def make(n: int) -> Any:
+            with cupy.cuda.Device(like.device_id):
+                return cupy.empty(n, dtype=cupy.uint8)
+
+        buf = self._ws.get((like.device_id, int(stream)), nbytes + _ALIGN, lambda b: b.nbytes, make)
         base = int(buf.data.ptr)
         return (base + _ALIGN - 1) // _ALIGN * _ALIGN, buf
 
@@ -552,6 +608,9 @@ class CupyAllocator:
         with cupy.cuda.Device(like.device_id):
             a = cupy.asarray(np.asarray(values, dtype=np.float32))
         return int(a.data.ptr), a
+
+    def clear(self) -> None:
+        self._ws.clear()
 
 
 NUMPY = NumpyAllocator()

@@ -13,6 +13,8 @@ import threading
 import weakref
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from . import _capi as C
 from ._arrays import View, as_view, dtype_name
 
@@ -89,15 +91,32 @@ def parse_precision(precision: str) -> int:
     return PRECISIONS[precision]
 
 
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _block_int(x: Any) -> Optional[int]:
+    """An exact integer (int or an integer numpy scalar, not bool), else None."""
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    return None
+
+
 def parse_block_size(block_size: Any) -> Tuple[int, int]:
     try:
         bq, bk = block_size
-        bq, bk = int(bq), int(bk)
     except (TypeError, ValueError):
         raise _arg_error("block_size must be a pair (block_q, block_k) of ints, got %r" % (block_size,)) from None
-    if bq < 0 or bk < 0:
-        raise _arg_error("block_size must be non-negative (0 = library default), got %r" % (block_size,))
-    return bq, bk
+    vals = []
+    for name, x in (("block_q", bq), ("block_k", bk)):
+        n = _block_int(x)
+        if n is None:  # 1.9 or True would silently become 1
+            raise _arg_error("block_size %s must be an int, got %r (%s)" % (name, x, type(x).__name__))
+        if n < 0 or n > _INT32_MAX:  # the C field is int32: 2**32 + 16 must not wrap to 16
+            raise _arg_error("block_size %s is %d, expected 0 (library default) .. %d" % (name, n, _INT32_MAX))
+        vals.append(n)
+    return vals[0], vals[1]
 
 
 def parse_scale(scale: Optional[float]) -> float:

@@ -48,10 +48,16 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
 }  // namespace cuda
 }  // namespace sparge
 
-// The result of a launch_pdl call (`err`) as a status naming the kernel; also
-// clears the runtime's last error (never synchronizes).
-#define SPARGE_PDL_CHECK(err, name)                                      \
-  do {                                                                   \
-    (void)cudaGetLastError();                                            \
-    SPARGE_TRY(::sparge::cuda::cuda_status((err), (name)));              \
+// The result of a launch_pdl call (`err`) as a status naming the kernel. The
+// launch is evaluated first; only when it failed is the runtime's last error
+// cleared (the error this launch left), so an error that the caller left
+// pending before the call stays pending for the caller's own
+// cudaGetLastError/cudaPeekAtLastError. Never synchronizes.
+#define SPARGE_PDL_CHECK(err, name)                                       \
+  do {                                                                    \
+    const cudaError_t sparge_pdl_err_ = (err);                            \
+    if (sparge_pdl_err_ != cudaSuccess) {                                 \
+      (void)cudaGetLastError();                                           \
+      return ::sparge::cuda::cuda_status(sparge_pdl_err_, (name));        \
+    }                                                                     \
   } while (0)

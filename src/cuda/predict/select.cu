@@ -354,19 +354,26 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
 
   if (V > 0) {
     const bool force_row = a.sim_q[size_t(bh) * nQB + qb] < sim_thr;
-    if (force_row) {
-      for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
-    } else {
-      const float* srow = a.scores + (size_t(bh) * nQB + qb) * size_t(nKB);
-      // softmax over the visible entries (float64, as the CPU reference)
-      float mx = -INFINITY;
+    const float* srow = a.scores + (size_t(bh) * nQB + qb) * size_t(nKB);
+    float mx = -INFINITY;
+    bool nonfinite = false;
+    if (!force_row) {
       for (int kb = lane; kb < V; kb += 32) {
         const float sv = srow[kb];
         pb[kb] = __float_as_uint(sv);  // stage the scores
         mx = fmaxf(mx, sv);
+        nonfinite |= !isfinite(sv);
       }
       mx = warp_max(mx);
+      // NaN policy (docs/SEMANTICS.md): a row with a NaN or infinite score keeps
+      // every visible block, so the selection never drops a non-finite value.
+      nonfinite = __any_sync(0xffffffffu, nonfinite);
       __syncwarp();
+    }
+    if (force_row || nonfinite) {
+      for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
+    } else {
+      // softmax over the visible entries (float64, as the CPU reference)
       double tot = 0.0;
       for (int kb = lane; kb < V; kb += 32) tot += exp(double(__uint_as_float(pb[kb])) - double(mx));
       tot = warp_sum_f64(tot);

@@ -28,6 +28,35 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// First row of block `blk` of `rows` rows, in 64 bits: the block index is a
+// uint32 taken from blockIdx.x, and blk * rows in 32 bits wraps for
+// Lq >= 2^32 (query blocks of 128 rows), which the launch grids allow.
+__host__ __device__ constexpr int64_t block_row0(uint32_t blk, int rows) { return int64_t(blk) * rows; }
+static_assert(block_row0(0xFFFFFFFFu, kGpuBlockQ) == int64_t(0xFFFFFFFF) * 128, "block rows must not wrap");
+static_assert(block_row0(uint32_t(1) << 25, kGpuBlockQ) == int64_t(1) << 32, "block rows must not wrap");
+
+// NaN policy (docs/SEMANTICS.md, "Non-finite values"): the max |x| behind a
+// quantization scale propagates NaN (fmaxf would drop it), and a maximum that
+// is not finite (NaN, or +inf from an infinite element) gives the scale NaN,
+// so every score or value dequantized with it is NaN. max.NaN returns the
+// canonical NaN when either operand is NaN.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+struct OpMaxNaN {
+  __device__ __forceinline__ float operator()(float a, float b) const { return max_nan(a, b); }
+};
+template <int W>
+__device__ __forceinline__ float group_max_nan(float v) {
+#pragma unroll
+  for (int o = W / 2; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// A max |x| that is not finite becomes NaN (isfinite is false for NaN and inf).
+__device__ __forceinline__ float finite_or_nan(float a) { return isfinite(a) ? a : __int_as_float(0x7fffffff); }
+
 // ---------------------------------------------------------------- column statistics
 struct ColArgs {
   Tensor4 k, v;
@@ -93,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs 
       if (a.do_v) {
         unpack8<T>(vr[u], f);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) vm[c] = fmaxf(vm[c], fabsf(f[c]));
+        for (int c = 0; c < 8; ++c) vm[c] = max_nan(vm[c], fabsf(f[c]));
       }
     }
     if (a.kpool) {  // raw pooled mean of this key block (uniform branch)
@@ -127,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs 
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       kd[c] += __shfl_xor_sync(0xffffffffu, kd[c], o);
-      vm[c] = fmaxf(vm[c], __shfl_xor_sync(0xffffffffu, vm[c], o));
+      vm[c] = max_nan(vm[c], __shfl_xor_sync(0xffffffffu, vm[c], o));
     }
   }
   __shared__ double sk[NW][D];
@@ -146,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 3) col_partial_kernel(const ColArgs 
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
       s += sk[w][tid];
-      m = fmaxf(m, sv[w][tid]);
+      m = max_nan(m, sv[w][tid]);
     }
     const int64_t o = (bhk * a.nchunk + chunk) * D + tid;
     if (a.do_k) a.ksum[o] = s;
@@ -186,7 +215,7 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       s += kv[u];
-      m = fmaxf(m, vv[u]);
+      m = max_nan(m, vv[u]);
     }
   }
   ssum[tid] = s;
@@ -195,10 +224,10 @@ __global__ void __launch_bounds__(kFinThreads) col_finalize_kernel(const double*
   if (tid < D) {
     for (int g = 1; g < ngrp; ++g) {
       s += ssum[g * D + tid];
-      m = fmaxf(m, smax[g * D + tid]);
+      m = max_nan(m, smax[g * D + tid]);
     }
     k_mean[bhk * D + tid] = do_k ? float(s / double(Lkv)) : 0.f;
-    if (do_v) v_amax[bhk * D + tid] = m;
+    if (do_v) v_amax[bhk * D + tid] = finite_or_nan(m);  // NaN: the channel dequantizes to NaN
   }
 }
 
@@ -215,10 +244,11 @@ __global__ void pooled_sub_mean_kernel(float4* __restrict__ pooled, const float4
   }
 }
 
-// int8 codes of 8 values with the block/token max |x| = a (a == 0: zeros).
+// int8 codes of 8 values with the block/token max |x| = a (a == 0, or a NaN
+// scale: zeros).
 __device__ __forceinline__ uint2 quant8(const float (&x)[8], float a) {
   uint2 o = make_uint2(0, 0);
-  if (a > 0.f) {
+  if (a > 0.f) {  // false for NaN
     const float inv = 127.f / a;
     o.x = pack_low_bytes(q8_word(x[0], inv), q8_word(x[1], inv), q8_word(x[2], inv), q8_word(x[3], inv));
     o.y = pack_low_bytes(q8_word(x[4], inv), q8_word(x[5], inv), q8_word(x[6], inv), q8_word(x[7], inv));
@@ -274,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
   const uint32_t qb = blockIdx.x % uint32_t(a.nQB), bh = blockIdx.x / uint32_t(a.nQB);
   const uint32_t b = bh / uint32_t(a.Hq), h = bh % uint32_t(a.Hq), bhk = b * uint32_t(a.Hkv) + h / uint32_t(a.group);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
-  const int64_t row0 = qb * kGpuBlockQ;
+  const int64_t row0 = block_row0(qb, kGpuBlockQ);
 
   uint4 raw[ITER];
   load_rows8<ITER, RPI, T, VEC>(a.q, b, h, row0, lr, cg, a.Lq, a.d_in, raw);
@@ -297,8 +327,8 @@ __global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
     if (a.quant) {
       float am = 0.f;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) am = fmaxf(am, fabsf(x[c]));
-      am = group_max<TPR>(am);
+      for (int c = 0; c < 8; ++c) am = max_nan(am, fabsf(x[c]));
+      am = finite_or_nan(group_max_nan<TPR>(am));
       const int64_t prow = bh * lq_pad + row;
       *reinterpret_cast<uint2*>(a.q_i8 + prow * D + cg * 8) = quant8(x, am);
       if (cg == 0) a.q_scale[prow] = am / 127.f;
@@ -341,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
   const uint32_t kb = blockIdx.x % uint32_t(a.nKB), bhk = blockIdx.x / uint32_t(a.nKB);
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
-  const int64_t row0 = kb * kGpuBlockK;
+  const int64_t row0 = block_row0(kb, kGpuBlockK);
 
   uint4 raw[ITER];
   load_rows8<ITER, RPI, T, VEC>(a.k, b, hk, row0, lr, cg, a.Lkv, a.d_in, raw);
@@ -363,12 +393,12 @@ __global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       x[it][c] = valid ? x[it][c] - mu[c] : 0.f;  // k' = k - mu (float32); pad rows stay zero
-      am = fmaxf(am, fabsf(x[it][c]));
+      am = max_nan(am, fabsf(x[it][c]));
     }
     if (a.pool) pool_row<TPR>(x[it], ps, us);
   }
   if (a.quant) {
-    am = block_reduce(am, fred, OpMax{});
+    am = finite_or_nan(block_reduce(am, fred, OpMaxNaN{}));
     const int64_t lk_pad = a.nKB * kGpuBlockK;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
@@ -414,7 +444,7 @@ __global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
   const uint32_t tile = blockIdx.x % uint32_t(a.ntile), bhk = blockIdx.x / uint32_t(a.ntile);
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = warp * 8;
-  const int64_t s0 = tile * 128 + lane * 4;  // first slot of this lane
+  const int64_t s0 = block_row0(tile, 128) + lane * 4;  // first slot of this lane
   if (s0 >= a.lk_pad) return;
   const int64_t g = s0 & ~int64_t(31);
   const int kk0 = int(s0 & 31);
@@ -492,6 +522,12 @@ sparge_status_t predict_supported(const Problem& p) {
   const int64_t nchunk = ceil_div(p.Lkv, kGpuColChunk);
   if (!grid_ok(p.B * p.Hq * p.nQB) || !grid_ok(p.B * p.Hkv * p.nKB) || !grid_ok(p.B * p.Hkv * nchunk))
     return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for the CUDA backend's launch grids");
+  // The attention kernels' own limits, here so that plan creation refuses them
+  // instead of a call returning UNSUPPORTED after its preparation was queued.
+  if (p.Lq > 0x3fffffffLL)
+    return fail(SPARGE_ERR_UNSUPPORTED, "len_q %lld: the CUDA attention kernels support at most 2^30 - 1 queries",
+                (long long)p.Lq);
+  if (p.quantized()) SPARGE_TRY(check_sm90_int8_problem(p, "int8"));
   return SPARGE_OK;
 }
 
