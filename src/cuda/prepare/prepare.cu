@@ -522,12 +522,11 @@ sparge_status_t predict_supported(const Problem& p) {
   const int64_t nchunk = ceil_div(p.Lkv, kGpuColChunk);
   if (!grid_ok(p.B * p.Hq * p.nQB) || !grid_ok(p.B * p.Hkv * p.nKB) || !grid_ok(p.B * p.Hkv * nchunk))
     return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for the CUDA backend's launch grids");
-  // The attention kernels' own limits, here so that plan creation refuses them
-  // instead of a call returning UNSUPPORTED after its preparation was queued.
+  // (The attention kernels' own limits are their registry entries' `supports`,
+  // checked at plan creation too.)
   if (p.Lq > 0x3fffffffLL)
     return fail(SPARGE_ERR_UNSUPPORTED, "len_q %lld: the CUDA attention kernels support at most 2^30 - 1 queries",
                 (long long)p.Lq);
-  if (p.quantized()) SPARGE_TRY(check_sm90_int8_problem(p, "int8"));
   return SPARGE_OK;
 }
 

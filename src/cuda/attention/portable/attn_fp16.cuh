@@ -382,7 +382,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
     for (int r = 0; r < 2; ++r) {
       l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
       l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
-      inv[r] = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
+      // A NaN row sum (a non-finite input, docs/SEMANTICS.md) stays NaN.
+      inv[r] = (l[mt][r] > 0.f || l[mt][r] != l[mt][r]) ? 1.f / l[mt][r] : 0.f;
     }
     const int r = warp * 32 + mt * 16 + g;
 #pragma unroll
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
         const int row = row_lo + mt * 16 + g + 8 * r;
         if (row < p.Lq)
           p.lse[b * p.lse_sb + h * p.lse_sh + static_cast<int64_t>(row) * p.lse_sl] =
-              l[mt][r] > 0.f ? m[mt][r] * kLn2 + logf(l[mt][r]) : -INFINITY;
+              (l[mt][r] > 0.f || l[mt][r] != l[mt][r]) ? m[mt][r] * kLn2 + logf(l[mt][r]) : -INFINITY;
       }
   }
 }

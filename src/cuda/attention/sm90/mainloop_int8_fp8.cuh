@@ -158,7 +158,7 @@ struct MainloopInt8Fp8 {
       for (int j = 0; j < NO; ++j) o[j] = fmaf(o[j], (j & 2) ? alpha1 : alpha0, o_tile[j]);
     }
 
-    // O * (v_amax / 448) / l as 16-bit pairs; the LSE adds back q.mu and
+    // (O / l) * (v_amax / 448) as 16-bit pairs; the LSE adds back q.mu and
     // removes P's 448.
     __device__ __forceinline__ void epilogue(const Maps& m, uint8_t* base, int tid) {
       float inv0, inv1;
@@ -169,8 +169,10 @@ struct MainloopInt8Fp8 {
       auto pair = [&](int c, int half) -> uint32_t {
         const int col = 8 * c + 2 * sm.quad;
         const float inv = half ? inv1 : inv0;
-        const float x0 = o[c * 4 + 2 * half + 0] * vscale[col] * inv;
-        const float x1 = o[c * 4 + 2 * half + 1] * vscale[col + 1] * inv;
+        // Normalised before the V scale is applied (docs/SEMANTICS.md): O
+        // holds code sums that O * scale could take past the float range.
+        const float x0 = (o[c * 4 + 2 * half + 0] * inv) * vscale[col];
+        const float x1 = (o[c * 4 + 2 * half + 1] * inv) * vscale[col + 1];
         return bf16 ? pack16<__nv_bfloat16>(x0, x1) : pack16<__half>(x0, x1);
       };
       const bool tma = Layout::kOutBytes > 0 && p.tma_store;  // the host sets tma_store only where there is room

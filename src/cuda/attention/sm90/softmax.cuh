@@ -229,22 +229,23 @@ struct OnlineSoftmax {
     l1 = l1 * alpha1 + rs1;
   }
 
-  // The row sums over the quad, and 1/l (0 for a row that saw no key).
+  // The row sums over the quad, and 1/l (0 for a row that saw no key; NaN
+  // for a NaN sum: a non-finite input stays visible, docs/SEMANTICS.md).
   __device__ __forceinline__ void finish(float& inv0, float& inv1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
-    inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+    inv0 = (l0 > 0.f || l0 != l0) ? 1.f / l0 : 0.f;
+    inv1 = (l1 > 0.f || l1 != l1) ? 1.f / l1 : 0.f;
   }
 
   // Natural-log LSE of row `half` (after finish): m ln 2 + ln l, minus ln of
-  // P's scale; -inf for a row that saw no key.
+  // P's scale; -inf for a row that saw no key, NaN for a NaN sum.
   __device__ __forceinline__ float lse(int half) const {
     const float l = half ? l1 : l0;
     const float m = half ? m1 : m0;
-    return (l > 0.f) ? (m * 0.69314718055994531f + (logf(l) - Pack::kLnScale)) : -INFINITY;
+    return (l > 0.f || l != l) ? (m * 0.69314718055994531f + (logf(l) - Pack::kLnScale)) : -INFINITY;
   }
 };
 
