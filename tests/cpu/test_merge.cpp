@@ -2,7 +2,7 @@
 // and layout against a float64 reference, the -inf / NaN / +inf rules, in-place
 // use, attention split over key chunks merged back into the whole, and every
 // rejected argument.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <algorithm>
 #include <cmath>

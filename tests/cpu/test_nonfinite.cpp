@@ -2,7 +2,7 @@
 // backend, every precision: one NaN or Inf placed in q, k or v; the elements
 // the policy names must be NaN (or non-finite where it says so), and every
 // other element of out and LSE must be bit-identical to the call without it.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <cmath>
 #include <cstring>

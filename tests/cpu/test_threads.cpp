@@ -1,7 +1,7 @@
 // Concurrency: many caller threads creating, sharing and destroying plans,
 // each with its own workspace, interleaving failing calls (per-thread
 // messages). Run by CI under ThreadSanitizer (scripts/sanitize.sh).
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <algorithm>
 #include <atomic>

@@ -1,3 +1,3 @@
 // The one translation unit that provides Catch2's main().
 #define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"

@@ -10,7 +10,7 @@
 //  - overlapping outputs are refused;
 //  - [large]: L = 256K with B*H*L*D beyond 2^31 elements, sampled rows vs
 //    float64.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <cmath>
 #include <cstring>

@@ -2,7 +2,7 @@
 // several layouts, -inf rows with NaN-poisoned outputs) against a float64
 // reference and against the CPU backend on the same bytes; in-place use on the
 // device; host memory refused by name.
-#include <catch2/catch.hpp>
+#include "catch_compat.hpp"
 
 #include <algorithm>
 #include <cmath>
