@@ -23,7 +23,7 @@
 #include <random>
 #include <string>
 
-#include "catch2/catch.hpp"
+#include "catch_compat.hpp"
 #include "test_util.hpp"
 
 namespace {
