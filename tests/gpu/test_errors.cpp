@@ -66,6 +66,17 @@ struct Fixture {
   sparge_status_t run_ok() { return run(q, k, v, &m, o, &l, ws.get(), wsb); }
 };
 
+// Bytes of the fixture's workspace that no longer hold `poison` once the
+// device is idle: 0 proves a refused call queued nothing.
+size_t workspace_bytes_changed(const Fixture& f, int poison) {
+  SGT_CUDA(cudaDeviceSynchronize());
+  std::vector<unsigned char> wsh(f.wsb);
+  f.ws.download(wsh.data(), f.wsb);
+  size_t changed = 0;
+  for (unsigned char b : wsh) changed += b != static_cast<unsigned char>(poison);
+  return changed;
+}
+
 }  // namespace
 
 // Tagged [hostptr]: if a check were missing, a kernel would fault on host memory
@@ -219,12 +230,7 @@ TEST_CASE("CUDA: outputs whose rows the kernels cannot store are refused, naming
     INFO("odd pitch: " << sparge_status_string(st) << " " << sparge_last_error());
     CHECK(st == SPARGE_ERR_UNSUPPORTED);
     CHECK(names_word(sparge_last_error(), "out"));
-    SGT_CUDA(cudaDeviceSynchronize());
-    std::vector<unsigned char> wsh(f.wsb);
-    f.ws.download(wsh.data(), f.wsb);
-    size_t touched = 0;
-    for (unsigned char b : wsh) touched += b != 0x5a;
-    CHECK(touched == 0);
+    CHECK(workspace_bytes_changed(f, 0x5a) == 0);
     // A data pointer one element past an aligned one, even pitch.
     const int64_t est[4] = {s.Hq * s.Lq * s.D, s.Lq * s.D, s.D, 1};
     const sparge_tensor_t o_mis = make_desc(static_cast<char*>(odd.get()) + 2, SPARGE_DEVICE_CUDA,
@@ -255,12 +261,7 @@ TEST_CASE("CUDA: INT8_FP16 refuses a V no tensor map can describe, naming v", "[
   CHECK(st == SPARGE_ERR_UNSUPPORTED);
   CHECK(names_word(sparge_last_error(), "v"));
   // Refused before the preparation ran: the workspace keeps its poison.
-  SGT_CUDA(cudaDeviceSynchronize());
-  std::vector<unsigned char> wsh(f.wsb);
-  f.ws.download(wsh.data(), f.wsb);
-  size_t touched = 0;
-  for (unsigned char b : wsh) touched += b != 0x5a;
-  CHECK(touched == 0);
+  CHECK(workspace_bytes_changed(f, 0x5a) == 0);
   CHECK(f.run_ok() == SPARGE_OK);
   CHECK(cudaGetLastError() == cudaSuccess);
 }

@@ -33,6 +33,24 @@ struct ScoreArgs {
   int64_t kept_s0, kept_s1;
 };
 
+// acc[i][j] += the sum over one head-dim chunk of sq[c][8ty + i] * sk[c][4tx + j]:
+// a thread's 8 x 4 block of the pooled (or per-key) score tile.
+__device__ __forceinline__ void fma_tile(const float (&sq)[kSDC][kST], const float (&sk)[kSDC][kST], int ty, int tx,
+                                         float (&acc)[8][4]) {
+#pragma unroll 4
+  for (int c = 0; c < kSDC; ++c) {
+    const float4 q0 = *reinterpret_cast<const float4*>(&sq[c][8 * ty]);
+    const float4 q1 = *reinterpret_cast<const float4*>(&sq[c][8 * ty + 4]);
+    const float4 k4 = *reinterpret_cast<const float4*>(&sk[c][4 * tx]);
+    const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+    const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], kv[j], acc[i][j]);
+  }
+}
+
 __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   __shared__ __align__(16) float sq[kSDC][kST];
@@ -75,18 +93,7 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
       sk[c4 + 0][r] = kv.x, sk[c4 + 1][r] = kv.y, sk[c4 + 2][r] = kv.z, sk[c4 + 3][r] = kv.w;
     }
     __syncthreads();
-#pragma unroll 4
-    for (int c = 0; c < kSDC; ++c) {
-      const float4 q0 = *reinterpret_cast<const float4*>(&sq[c][8 * ty]);
-      const float4 q1 = *reinterpret_cast<const float4*>(&sq[c][8 * ty + 4]);
-      const float4 k4 = *reinterpret_cast<const float4*>(&sk[c][4 * tx]);
-      const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-      const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], kv[j], acc[i][j]);
-    }
+    fma_tile(sq, sk, ty, tx, acc);
   }
   const float scale = p.scale;
 #pragma unroll
@@ -162,18 +169,7 @@ __global__ void __launch_bounds__(kSThreads) key_scores_kernel(const KeyScoreArg
       sk[c4 + 0][r] = kv[0], sk[c4 + 1][r] = kv[1], sk[c4 + 2][r] = kv[2], sk[c4 + 3][r] = kv[3];
     }
     __syncthreads();
-#pragma unroll 4
-    for (int c = 0; c < kSDC; ++c) {
-      const float4 q0 = *reinterpret_cast<const float4*>(&sq[c][8 * ty]);
-      const float4 q1 = *reinterpret_cast<const float4*>(&sq[c][8 * ty + 4]);
-      const float4 k4 = *reinterpret_cast<const float4*>(&sk[c][4 * tx]);
-      const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-      const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], kv[j], acc[i][j]);
-    }
+    fma_tile(sq, sk, ty, tx, acc);
   }
   const float scale = p.scale;
 #pragma unroll
