@@ -20,5 +20,13 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
                              bool lse_shift);
 
+namespace prep {
+// Step 1 of prepare_impl (column_stats.cu): the K column mean (do_k), the V
+// column max |.| (do_v), and with fused_kpool the smoothed pooled K means and
+// zero self-similarities of a prediction-only call.
+sparge_status_t launch_column_stats(const Plan& plan, const Tensor4& k, const Tensor4* v, bool do_k, bool do_v,
+                                    bool fused_kpool, void* ws, cudaStream_t stream);
+}  // namespace prep
+
 }  // namespace cuda
 }  // namespace sparge
