@@ -100,7 +100,8 @@ def test_capture_from_torch(tmp_path):
 
 def test_command_line(tmp_path):
     out = tmp_path / "tuned.txt"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "bindings", "python"))
+    # The sparge package this test imported (the source tree, or an installed copy with its library).
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(sparge.__file__))))
     r = subprocess.run([sys.executable, "-m", "sparge", "tune", SLICE, "--rel-l1", "0.15", "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
