@@ -107,14 +107,16 @@ def test_causal_defaults_no_zero_row(rng):
 
 def test_estimator_option(rng):
     q, k, _ = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=512, Lkv=2048, D=32)
-    # one key that the pooled query of block 0 hits, the block's mean unchanged (the mean rule cannot see it)
-    spike = q[0, 0, :128].mean(axis=0) * 40
-    k[0, 0, 64 * 5:64 * 6] -= spike / 63
-    k[0, 0, 64 * 5 + 7] += spike + spike / 63
+    # one key of block 5 that the pooled query of block 0 hits hard, while the block's mean points away from
+    # that query (its mean score is the row's lowest): the mean rule drops the block, the per-key rule keeps it
+    spike = q[0, 0, :128].mean(axis=0) * 200
+    delta = 20.0  # block mean = -delta * spike / 64
+    k[0, 0, 64 * 5:64 * 6] -= (1 + delta) * spike / 63
+    k[0, 0, 64 * 5 + 7] += (1 + delta) * spike / 63 + spike
     a = sparge.predict_mask(q, k, topk=0.25, estimator="mean")
     b = sparge.predict_mask(q, k, topk=0.25, estimator="keys_lse")
     assert a.sum() == b.sum()
-    assert b[0, 0, 0, 5] == 1  # the spike's block: the per-key rule sees it
+    assert a[0, 0, 0, 5] == 0 and b[0, 0, 0, 5] == 1  # the spike's block
     assert not np.array_equal(a, b)
     with pytest.raises(sparge.InvalidArgumentError, match="estimator"):
         sparge.predict_mask(q, k, estimator="max")
