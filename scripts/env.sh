@@ -31,6 +31,19 @@ sparge_step() {
   fi
 }
 
+# The suite scripts' tally (test.sh, sanitize.sh): record NAME STATUS NOTE with
+# STATUS 0 ok, 1 failed, 2 skipped; the summary prints ${results[@]}.
+passed=0 failed=0 skipped=0
+results=()
+record() {
+  case "$2" in
+    0) passed=$((passed + 1)); results+=("  PASS  $1 $3") ;;
+    1) failed=$((failed + 1)); results+=("  FAIL  $1 $3") ;;
+    *) skipped=$((skipped + 1)); results+=("  SKIP  $1 $3") ;;
+  esac
+}
+section() { printf '\n==== %s\n' "$*"; }
+
 sparge_configure() {
   local gen=()
   if command -v ninja >/dev/null 2>&1; then gen=(-G Ninja); fi

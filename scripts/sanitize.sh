@@ -20,16 +20,6 @@ FUZZ_SECONDS="${FUZZ_SECONDS:-90}"
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(asan tsan fault libfuzz)
 
-passed=0 failed=0 skipped=0
-results=()
-record() {  # name status(0 ok / 1 failed / 2 skipped) note
-  case "$2" in
-    0) passed=$((passed + 1)); results+=("  PASS  $1 $3") ;;
-    1) failed=$((failed + 1)); results+=("  FAIL  $1 $3") ;;
-    *) skipped=$((skipped + 1)); results+=("  SKIP  $1 $3") ;;
-  esac
-}
-section() { printf '\n==== %s\n' "$*"; }
 t_all=$(date +%s)
 
 build() {  # dir, targets (space-separated), extra cmake args...

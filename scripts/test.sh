@@ -15,16 +15,6 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 
-passed=0 failed=0 skipped=0
-results=()
-record() {  # name status(0 ok / 1 failed / 2 skipped) note
-  case "$2" in
-    0) passed=$((passed + 1)); results+=("  PASS  $1 $3") ;;
-    1) failed=$((failed + 1)); results+=("  FAIL  $1 $3") ;;
-    *) skipped=$((skipped + 1)); results+=("  SKIP  $1 $3") ;;
-  esac
-}
-section() { printf '\n==== %s\n' "$*"; }
 t_start=$(date +%s)
 
 stop() {  # a step that the suites need failed
