@@ -68,3 +68,27 @@ def mask_and_lse_vs_int8_fp8(rng, precision):
     _, lse8 = sparge.attention(q, k, v, precision="int8_fp8", return_lse=True, **opts)
     _, lse = sparge.attention(q, k, v, precision=precision, return_lse=True, **opts)
     return m, m8, lse, lse8
+
+
+def torch_cuda_marks(torch):
+    """pytest marks that skip (visibly) a CUDA test module without a CUDA device or a CUDA build of libsparge."""
+    import pytest
+
+    import sparge
+
+    have_cuda = bool(torch.cuda.is_available())
+    try:
+        lib_cuda = sparge.has_cuda()
+    except sparge.SpargeError:
+        lib_cuda = False
+    return [
+        pytest.mark.skipif(not have_cuda, reason="no CUDA device visible to torch"),
+        pytest.mark.skipif(have_cuda and not lib_cuda, reason="libsparge was built without its CUDA backend"),
+    ]
+
+
+def cuda_generator(torch, rng):
+    """A torch CUDA generator seeded from the test's rng (fresh seed, printed on failure)."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(int(rng.integers(2**62)))
+    return g

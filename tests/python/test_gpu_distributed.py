@@ -8,25 +8,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import sparge  # noqa: E402
+from helpers import cuda_generator, torch_cuda_marks  # noqa: E402
 from sparge import distributed as sd  # noqa: E402
 
 HAVE_CUDA = bool(torch.cuda.is_available())
-try:
-    LIB_CUDA = sparge.has_cuda()
-except sparge.SpargeError:
-    LIB_CUDA = False
-
-pytestmark = [
-    pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device visible to torch"),
-    pytest.mark.skipif(HAVE_CUDA and not LIB_CUDA, reason="libsparge was built without its CUDA backend"),
-]
+pytestmark = torch_cuda_marks(torch)
 
 
 @pytest.fixture
 def gen(rng):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(int(rng.integers(2**62)))
-    return g
+    return cuda_generator(torch, rng)
 
 
 def test_merge_states_cuda_matches_float64_and_cpu(gen):
