@@ -19,11 +19,12 @@ namespace sparge {
 namespace cuda {
 namespace sm90 {
 
+// Maps a mainloop does not read (v2 without split V, o without the TMA store)
+// stay zero: the kernel never touches them.
 struct Sm90Launch {
   Maps maps;
   Params p;
   unsigned grid;
-  int smem;
 };
 static_assert(sizeof(Sm90Launch) <= sizeof(LaunchBlob), "the launch blob holds the sm_90a launch");
 static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is plain data");
@@ -72,7 +73,6 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   p.k_scale = a.k_scale;
   p.v_amax = a.v_amax;
   s->grid = static_cast<unsigned>(pb.B * pb.Hq * pb.nQB);
-  s->smem = L::kAlloc;
   const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
   // The FP16 mode reads the caller's tensors by TMA (16-byte rows); the int8
   // modes write the output in 4-byte pairs where the TMA store does not apply.
@@ -104,12 +104,9 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
     if (ML::kVTermsC == 2) {
       SPARGE_TRY(make_map(enc, &m.v2, a.v_f8_lo, keys, bhk * dk, kGpuBlockK, ML::Dk, CU_TENSOR_MAP_SWIZZLE_64B,
                           "v_lo"));
-    } else {
-      m.v2 = m.v;  // unused
     }
   } else {
     // 16-bit V (and FP16's Q and K) straight from the caller's tensors.
-    m.v2 = m.q;  // unused (overwritten below when q is 16-bit)
     if (make_map_bhld16(enc, &m.v, a.v.data, bf16, a.v.shape, a.v.stride, kGpuBlockK) != CUDA_SUCCESS) {
       if (ML::kI8C) return check_tma_rows16(a.v, "v", "INT8_FP16");
       *applies = false;  // strides TMA cannot express (e.g. rows that overlap)
@@ -121,12 +118,10 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
         *applies = false;
         return SPARGE_OK;
       }
-      m.v2 = m.v;
     }
   }
   // The TMA-store epilogue where the mainloop has room and the output's
   // strides are expressible (else direct stores).
-  m.o = m.v;
   p.tma_store = 0;
   if (ML::kTmaStore && tma_store_from_env() &&
       make_map_bhld16(enc, &m.o, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
@@ -139,7 +134,7 @@ template <class ML>
 sparge_status_t run(const LaunchBlob& blob, cudaStream_t stream) {
   const Sm90Launch& s = *reinterpret_cast<const Sm90Launch*>(blob.bytes);
   if (s.grid == 0) return SPARGE_OK;
-  SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML>, dim3(s.grid), dim3(kThreads), size_t(s.smem), stream, s.maps, s.p),
+  SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML>, dim3(s.grid), dim3(kThreads), size_t(ML::Layout::kAlloc), stream, s.maps, s.p),
                    "attn_sm90_kernel");
   return SPARGE_OK;
 }
