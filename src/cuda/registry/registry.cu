@@ -113,9 +113,6 @@ sparge_status_t choose_kernel(const Problem& p, int sm_version, const KernelEntr
                 sm_version / 10, sm_version % 10);
   if (p.precision == SPARGE_PRECISION_FP16 && dev_switches().fp16 == Fp16Choice::kPortable)
     fam = Family::kPortable;
-  if (p.BQ != kGpuBlockQ || p.BK != kGpuBlockK)
-    return fail(SPARGE_ERR_UNSUPPORTED, "problem->block_q/block_k: the CUDA kernels use %dx%d mask blocks, got %dx%d",
-                kGpuBlockQ, kGpuBlockK, p.BQ, p.BK);
   const KernelKey key{fam, p.precision, static_cast<int>(p.D), p.dtype, p.causal};
   const KernelEntry* e = find_kernel(key);
   if (e == nullptr) {

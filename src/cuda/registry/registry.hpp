@@ -65,7 +65,8 @@ const KernelEntry* kernel_at(int i);
 bool family_for_device(int sm_version, Family* out);
 
 // Plan time: the kernel of problem `p` on a device of `sm_version`, with a
-// status naming what is missing when there is none.
+// status naming what is missing when there is none (block sizes and dtype are
+// checked before, by predict_supported).
 sparge_status_t choose_kernel(const Problem& p, int sm_version, const KernelEntry** out);
 
 // The portable family's table (attention/portable/), and the generated
