@@ -5,7 +5,6 @@
 #include <cstdio>
 
 #include "core/error.hpp"
-#include "core/kernel_traits.hpp"
 #include "cuda/common/switches.hpp"
 
 namespace sparge {
