@@ -1,12 +1,12 @@
 // The CTA-level pieces of the sm_90a kernel skeleton (kernel.cuh): the
-// parameter block, which mask row a CTA computes, the mbarrier ring and the
-// producer loop, the consumers' turn-taking around their wgmma batches, and
+// tensor maps, the mbarrier ring and the producer loop, the consumers' turn-taking around their wgmma batches, and
 // the TMA-store epilogue.
 #pragma once
 #include <cstdint>
 
 #include <cuda.h>
 
+#include "cuda/attention/common/work.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
 #include "cuda/common/internal.cuh"
 
@@ -14,29 +14,11 @@ namespace sparge {
 namespace cuda {
 namespace sm90 {
 
+using attn::Params;
+using attn::RowWork;
+
 constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
 constexpr int kEpiBar0 = 4;   // named barriers 4, 5: a consumer warpgroup's staged output tile is complete
-
-// The one parameter block of every sm_90a attention kernel: the work lists,
-// the output and LSE with their strides, the problem's sizes, and the
-// preparation's scales (those a mainloop does not read stay null).
-struct Params {
-  const int32_t* idx;
-  const int32_t* cnt;
-  const int32_t* order;
-  void* out;
-  int64_t out_stride[4];
-  float* lse;
-  int64_t lse_stride[3];
-  int Hq, group, Lq, Lkv, nQB, nKB;
-  float scale_log2;      // scale * log2(e)
-  int tma_store;         // the output goes out through shared memory and the tm_o tensor map
-  int out_bf16;          // the output's 16-bit type (mainloops not templated on it)
-  const float* q_scale;  // [BHq, nQB*128]  int8 Q.K^T
-  const float* q_mu;     // [BHq, nQB*128]  int8 Q.K^T, written when an LSE is asked for
-  const float* k_scale;  // [BHkv, nKB]     int8 Q.K^T
-  const float* v_amax;   // [BHkv, Dk]      fp8 P.V
-};
 
 // The tensor maps a kernel reads (q, k, v, v2: the second V term of split V)
 // and writes (o), passed as __grid_constant__ kernel parameters.
@@ -124,36 +106,6 @@ struct SmemRing {
   }
 };
 
-// The mask row of this CTA (blockIdx.x indexes the work order): its batch,
-// query head and 128-row query block, its K/V head, and its list of kept
-// 64-key blocks. P holds order, cnt, idx, nQB, nKB, Hq and group.
-struct RowWork {
-  int row_id, bh, qb, b, h, hkv, bhkv, n_tiles;
-  const int32_t* tiles;
-
-  template <class P>
-  __device__ __forceinline__ explicit RowWork(const P& p) {
-    row_id = p.order[blockIdx.x];
-    bh = row_id / p.nQB;
-    qb = row_id - bh * p.nQB;
-    b = bh / p.Hq;
-    h = bh - b * p.Hq;
-    hkv = h / p.group;
-    bhkv = b * (p.Hq / p.group) + hkv;
-    n_tiles = p.cnt[row_id];
-    tiles = p.idx + int64_t(row_id) * p.nKB;
-  }
-  // Steps of kHalves listed blocks.
-  template <int kHalves>
-  __device__ __forceinline__ int steps() const {
-    return (n_tiles + kHalves - 1) / kHalves;
-  }
-  // Key block of half hh of step u; -1 past the end (an odd count, wide steps).
-  template <int kHalves>
-  __device__ __forceinline__ int block(int u, int hh) const {
-    return (u * kHalves + hh < n_tiles) ? tiles[u * kHalves + hh] : -1;
-  }
-};
 
 // Thread 0, before the CTA-wide barrier: initialises the ring (`full`: one
 // arrival plus the stage's bytes; `empty`: the 256 consumer threads) and the

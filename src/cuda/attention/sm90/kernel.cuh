@@ -16,7 +16,7 @@
 //        which overwrite the P registers P.V(u-1) read. The other warpgroup
 //        has its turn meanwhile, so one's softmax overlaps the other's matrix
 //        products.
-// The online softmax (softmax.cuh) and the epilogue writer (cta.cuh) are
+// The online softmax (../common/softmax.cuh) and the epilogue writer (cta.cuh) are
 // shared; a mainloop supplies its layout, loads, matrix products, fold and
 // output scaling. Host side: launch_sm90.cuh.
 #pragma once

@@ -22,14 +22,19 @@
 #include <type_traits>
 
 #include "core/kernel_traits.hpp"
+#include "cuda/attention/common/softmax.cuh"
 #include "cuda/attention/sm90/cta.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
-#include "cuda/attention/sm90/softmax.cuh"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
 
 namespace sparge {
 namespace cuda {
 namespace sm90 {
+
+using attn::ConsumerBase;
+using attn::OnlineSoftmax;
+using attn::pack16;
+using attn::Pack16;
 
 template <class T, int D, bool kCausal, bool kI8>
 struct Mainloop16 {

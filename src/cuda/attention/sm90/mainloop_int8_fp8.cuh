@@ -12,14 +12,19 @@
 #include <cuda.h>
 
 #include "core/kernel_traits.hpp"
+#include "cuda/attention/common/softmax.cuh"
 #include "cuda/attention/sm90/cta.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
-#include "cuda/attention/sm90/softmax.cuh"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
 
 namespace sparge {
 namespace cuda {
 namespace sm90 {
+
+using attn::ConsumerBase;
+using attn::OnlineSoftmax;
+using attn::pack16;
+using attn::PackE4M3;
 
 constexpr int kVScaleBar = 3;  // named barrier 3: the V scales in shared memory are ready
 

@@ -1,9 +1,13 @@
-// The online softmax of the sm_90a kernel skeleton, shared by every mainloop:
-// score masking (ragged end, causal diagonal, missing blocks), the row max,
-// the exponentials packed into P fragments, the row sums, and the final
-// normalisation and LSE. One consumer warpgroup owns 64 query rows; a thread
-// holds rows row0 and row1 = row0 + 8. Register j of an m64nN accumulator
-// holds row (j & 2 ? row1 : row0) and column 8*(j/4) + 2*quad + (j & 1).
+// The online softmax shared by every mainloop of both attention kernel
+// families: score masking (ragged end, causal diagonal, missing blocks), the
+// row max, the exponentials packed into P fragments, the row sums, and the
+// final normalisation and LSE. A warp owns 16 query rows; a thread holds rows
+// row0 and row1 = row0 + 8. Register j of the score accumulator holds row
+// (j & 2 ? row1 : row0) and column 8*(j/4) + 2*quad + (j & 1): the layout of
+// an sm_90a m64nN wgmma accumulator (per warp) and of N/8 consecutive
+// m16n8 mma.sync accumulators alike. On sm_90a a consumer warpgroup (cw) owns
+// 64 rows; the portable family's 8 warps own 16 rows each (cw = 0, tid up to
+// 255).
 //
 // Scores come as int32 (kI8: int8 Q.K^T, dequantized per row by q_scale and
 // per 64-key block by k_scale) or as fp32 (16-bit Q.K^T). P is packed by a
@@ -17,12 +21,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/attention/sm90/cta.cuh"
-#include "cuda/attention/sm90/primitives.cuh"
+#include "cuda/attention/common/math.cuh"
+#include "cuda/attention/common/work.cuh"
 
 namespace sparge {
 namespace cuda {
-namespace sm90 {
+namespace attn {
 
 // Two floats -> a 16-bit pair (lo in the low half), round to nearest even.
 template <class T>
@@ -290,6 +294,6 @@ struct ConsumerBase {
   }
 };
 
-}  // namespace sm90
+}  // namespace attn
 }  // namespace cuda
 }  // namespace sparge

@@ -1,0 +1,66 @@
+// The work description shared by the attention kernel families: the common
+// parameter block and which mask row (batch, query head, 128-row query block)
+// a CTA computes, with its list of kept 64-key blocks.
+#pragma once
+#include <cstdint>
+
+namespace sparge {
+namespace cuda {
+namespace attn {
+
+// The parameter block every attention kernel family shares: the work lists,
+// the output and LSE with their strides, the problem's sizes, and the
+// preparation's scales (those a mainloop does not read stay null). A family
+// with operands outside tensor maps (portable) adds their pointers around it.
+struct Params {
+  const int32_t* idx;
+  const int32_t* cnt;
+  const int32_t* order;
+  void* out;
+  int64_t out_stride[4];
+  float* lse;
+  int64_t lse_stride[3];
+  int Hq, group, Lq, Lkv, nQB, nKB;
+  float scale_log2;      // scale * log2(e)
+  int tma_store;         // the output goes out through shared memory and the tm_o tensor map
+  int out_bf16;          // the output's 16-bit type (mainloops not templated on it)
+  const float* q_scale;  // [BHq, nQB*128]  int8 Q.K^T
+  const float* q_mu;     // [BHq, nQB*128]  int8 Q.K^T, written when an LSE is asked for
+  const float* k_scale;  // [BHkv, nKB]     int8 Q.K^T
+  const float* v_amax;   // [BHkv, Dk]      fp8 P.V
+};
+
+// The mask row of this CTA (blockIdx.x indexes the work order): its batch,
+// query head and 128-row query block, its K/V head, and its list of kept
+// 64-key blocks. P holds order, cnt, idx, nQB, nKB, Hq and group.
+struct RowWork {
+  int row_id, bh, qb, b, h, hkv, bhkv, n_tiles;
+  const int32_t* tiles;
+
+  template <class P>
+  __device__ __forceinline__ explicit RowWork(const P& p) {
+    row_id = p.order[blockIdx.x];
+    bh = row_id / p.nQB;
+    qb = row_id - bh * p.nQB;
+    b = bh / p.Hq;
+    h = bh - b * p.Hq;
+    hkv = h / p.group;
+    bhkv = b * (p.Hq / p.group) + hkv;
+    n_tiles = p.cnt[row_id];
+    tiles = p.idx + int64_t(row_id) * p.nKB;
+  }
+  // Steps of kHalves listed blocks.
+  template <int kHalves>
+  __device__ __forceinline__ int steps() const {
+    return (n_tiles + kHalves - 1) / kHalves;
+  }
+  // Key block of half hh of step u; -1 past the end (an odd count, wide steps).
+  template <int kHalves>
+  __device__ __forceinline__ int block(int u, int hh) const {
+    return (u * kHalves + hh < n_tiles) ? tiles[u * kHalves + hh] : -1;
+  }
+};
+
+}  // namespace attn
+}  // namespace cuda
+}  // namespace sparge
