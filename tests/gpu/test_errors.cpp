@@ -288,7 +288,10 @@ TEST_CASE("CUDA plan: the chosen kernel is reported", "[gpu][errors][registry][s
       {SPARGE_PRECISION_FP16, 256, 256, 64, "fp16_d256"},
   };
   const char* forced = std::getenv("SPARGE_FP16_KERNEL");
-  const bool portable_fp16 = forced != nullptr && std::string(forced) == "portable";
+  const char* family_env = std::getenv("SPARGE_KERNEL_FAMILY");
+  // SPARGE_KERNEL_FAMILY=portable: every plan takes the portable family.
+  const bool portable_all = family_env != nullptr && std::string(family_env) == "portable";
+  const bool portable_fp16 = portable_all || (forced != nullptr && std::string(forced) == "portable");
   for (const Want& w : wants) {
     for (int causal : {0, 1}) {
       INFO(precision_name(w.prec) << " D " << w.D << " causal " << causal);
@@ -311,6 +314,20 @@ TEST_CASE("CUDA plan: the chosen kernel is reported", "[gpu][errors][registry][s
       if (portable_fp16 && w.prec == SPARGE_PRECISION_FP16) {
         CHECK(family == "portable");
         CHECK(ki.keys_per_step == 64);
+      } else if (portable_all) {
+        // The portable 8-bit kernels: the same names, steps (the CPU twin's)
+        // and kernel head dims; 8 warps; shared memory that fits every sm_80+ SM.
+        CHECK(family == "portable");
+        CHECK(name.find(std::string("portable_") + w.name_part) != std::string::npos);
+        CHECK((name.find("_causal") != std::string::npos) == (causal != 0));
+        CHECK(name.find("bf16") != std::string::npos);
+        CHECK(ki.head_dim == w.head_dim);
+        CHECK(ki.keys_per_step == w.keys_per_step);
+        CHECK(ki.threads == 256);
+        CHECK(ki.block_q == 128);
+        CHECK(ki.stages >= 2);
+        CHECK(ki.smem_bytes > 0);
+        CHECK(ki.smem_bytes <= 96 * 1024);
       } else {
         CHECK(family == "sm90");
         CHECK(name.find(w.name_part) != std::string::npos);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates the sm_90a kernel instances and their registry table:
+"""Generates the attention kernel instances and their registry tables:
 
   src/cuda/attention/sm90/instances/<precision>_d<D>.cu   one file per precision and
       head dim (its causal x dtype / split-V kernels), so a 2-core build compiles
@@ -7,6 +7,11 @@
   src/cuda/registry/sm90_table.inc                        the tables, each guarded by
       SPARGE_WITH_SM90 and SPARGE_WITH_D<D> (set by CMake from SPARGE_CUDA_FAMILIES
       and SPARGE_HEAD_DIMS).
+
+  src/cuda/attention/portable/instances/int8_<pv>_d<Dk>.cu   the portable family's
+      8-bit kernels, one file per P.V kind and kernel head dim Dk (causal and not);
+  src/cuda/attention/portable/int8_table.inc              their registry rows per problem
+      head dim (D = 96 runs the Dk = 128 kernels), guarded by SPARGE_WITH_D<D>.
 
 A new head dim is a traits entry (core/kernel_traits.hpp) plus a line in HEAD_DIMS
 below; a new mainloop is a row of PRECISIONS.
@@ -59,6 +64,56 @@ def table(files):
     return "\n".join(out) + "\n"
 
 
+# The portable family's 8-bit kernels: file tag, P.V policy, precision, head dims
+# (problem), whether the P.V policy is templated on the 16-bit type (then one
+# file per dtype). INT8_FP8's dtype is a runtime flag (only the output's type).
+PORTABLE_INT8 = (
+    ("int8_fp8", "PvFp8<1>", "SPARGE_PRECISION_INT8_FP8", (64, 96, 128), False),
+    ("int8_fp8_split_v", "PvFp8<2>", "SPARGE_PRECISION_INT8_FP8_SPLIT_V", (64, 96, 128), False),
+    ("int8_fp16", "Pv16<{T}>", "SPARGE_PRECISION_INT8_FP16", HEAD_DIMS, True),
+)
+
+
+def kernel_dim(d):
+    return (d + 63) // 64 * 64
+
+
+def portable_files():
+    """(file name, text) of every portable 8-bit instance file."""
+    out = []
+    for tag, pv, _enum, dims, typed in PORTABLE_INT8:
+        for dk in sorted({kernel_dim(d) for d in dims}):
+            for _denum, ctype, dtag in (DTYPES if typed else ((None, None, None),)):
+                name = f"{tag}_{dtag}_d{dk}" if typed else f"{tag}_d{dk}"
+                pol = pv.format(T=ctype)
+                text = "\n".join([
+                    HEADER.rstrip(),
+                    f"// Portable (mma.sync) {tag} kernels at kernel head dim {dk}"
+                    + (f", {dtag}" if typed else "") + ": causal and not.",
+                    '#include "cuda/attention/portable/attn_int8.cuh"', "",
+                    "namespace sparge {", "namespace cuda {", "namespace portable {", "",
+                    f"SPARGE_PORTABLE_INT8_INSTANCE(, {pol}, {dk})", "",
+                    "}  // namespace portable", "}  // namespace cuda", "}  // namespace sparge", ""])
+                out.append((name + ".cu", text))
+    return out
+
+
+def portable_table():
+    out = [HEADER + "// The portable family's 8-bit registry rows, for src/cuda/attention/portable/\n"
+           "// launch_int8.cu to expand with its own SPARGE_PORTABLE_INT8_ENTRY(policy, Dk, causal,\n"
+           "// precision, D, dtype, name)."]
+    for tag, pv, enum, dims, typed in PORTABLE_INT8:
+        for d in dims:
+            out.append(f"#if defined(SPARGE_WITH_D{d})")
+            for causal in ("false", "true"):
+                for denum, ctype, dtag in DTYPES:
+                    name = f"portable_{tag}_d{d}_{dtag}" + ("_causal" if causal == "true" else "")
+                    out.append(f"SPARGE_PORTABLE_INT8_ENTRY({pv.format(T=ctype)}, {kernel_dim(d)}, {causal}, "
+                               f"{enum}, {d}, {denum}, \"{name}\")")
+            out.append("#endif")
+    return "\n".join(out) + "\n"
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     inst = os.path.join(root, "src/cuda/attention/sm90/instances")
@@ -74,6 +129,16 @@ def main():
             files.append((tag, d))
     with open(os.path.join(root, "src/cuda/registry/sm90_table.inc"), "w") as fh:
         fh.write(table(files))
+    pinst = os.path.join(root, "src/cuda/attention/portable/instances")
+    os.makedirs(pinst, exist_ok=True)
+    for f in os.listdir(pinst):
+        if f.endswith(".cu"):
+            os.remove(os.path.join(pinst, f))
+    for name, text in portable_files():
+        with open(os.path.join(pinst, name), "w") as fh:
+            fh.write(text)
+    with open(os.path.join(root, "src/cuda/attention/portable/int8_table.inc"), "w") as fh:
+        fh.write(portable_table())
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ const DevSwitches& dev_switches() {
     d.tma_store = !env_is("SPARGE_SM90_EPILOGUE", "direct");
     if (env_is("SPARGE_FP16_KERNEL", "portable")) d.fp16 = Fp16Choice::kPortable;
     if (env_is("SPARGE_FP16_KERNEL", "sm90")) d.fp16 = Fp16Choice::kSm90Only;
+    d.force_portable = env_is("SPARGE_KERNEL_FAMILY", "portable");
     return d;
   }();
   return s;

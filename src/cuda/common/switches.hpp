@@ -8,6 +8,9 @@
 //   SPARGE_FP16_KERNEL=portable   FP16-mode plans run the portable mma.sync kernel
 //   SPARGE_FP16_KERNEL=sm90       an FP16 call the sm_90a kernel cannot take is an
 //                                 error instead of a fallback to the portable kernel
+// and one documented setting (docs/API.md), read the same way:
+//   SPARGE_KERNEL_FAMILY=portable plans choose the portable (mma.sync) family on any
+//                                 GPU, also where an architecture-specific one exists
 #pragma once
 
 namespace sparge {
@@ -19,6 +22,7 @@ struct DevSwitches {
   bool pdl = true;
   bool tma_store = true;
   Fp16Choice fp16 = Fp16Choice::kAuto;
+  bool force_portable = false;
 };
 
 const DevSwitches& dev_switches();

@@ -29,6 +29,7 @@ const Table kTables[] = {
 #undef SPARGE_SM90_TABLE
 #if defined(SPARGE_WITH_PORTABLE)
     {kPortableKernels, &kPortableKernelCount},
+    {portable::kPortableInt8Kernels, &portable::kPortableInt8KernelCount},
 #endif
     {nullptr, nullptr},
 };
@@ -94,22 +95,91 @@ const KernelEntry* find_kernel(const KernelKey& key) {
 
 bool family_for_device(int sm_version, Family* out) {
   // sm_90a code runs on compute capability 9.0 only (the 'a' features are not
-  // forward compatible).
-  if (sm_version == 90) {
+  // forward compatible); mma.sync code on 8.0 and newer.
+#if defined(SPARGE_WITH_SM90)
+  if (sm_version == 90 && !dev_switches().force_portable) {
     *out = Family::kSm90;
     return true;
   }
+#endif
+#if defined(SPARGE_WITH_PORTABLE)
+  if (sm_version >= 80) {
+    *out = Family::kPortable;
+    return true;
+  }
+#endif
   return false;
 }
+
+namespace {
+
+// Makes device `id` current for the lifetime of the guard (kernel attribute
+// queries are per device).
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int id) {
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != id && cudaSetDevice(id) == cudaSuccess) switched_ = true;
+    (void)cudaGetLastError();
+  }
+  ~CurrentDevice() {
+    if (switched_) (void)cudaSetDevice(prev_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+};
+
+// What the device must offer the chosen kernel: its instructions' compute
+// capability, an image of this build for the device, and its shared memory.
+sparge_status_t check_entry_on_device(const KernelEntry& e, const Problem& p, int sm_version) {
+  if (e.min_sm > sm_version)
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "problem->precision %s: kernel %s needs compute capability %d.%d (fp8 tensor cores), the device "
+                "has %d.%d; INT8_FP16 (int8 Q.K^T, 16-bit P.V) and FP16 run there",
+                precision_name(p.precision), e.name, e.min_sm / 10, e.min_sm % 10, sm_version / 10, sm_version % 10);
+  CurrentDevice dev(p.device_id);
+  if (e.image_arch != nullptr) {
+    const int arch = e.image_arch();
+    if (arch == 0)
+      return fail(SPARGE_ERR_UNSUPPORTED,
+                  "kernel %s: this build carries no code that runs on compute capability %d.%d (see the "
+                  "SPARGE_CUDA_ARCHS and SPARGE_CUDA_PTX build options)",
+                  e.name, sm_version / 10, sm_version % 10);
+    if (arch < e.min_sm)
+      return fail(SPARGE_ERR_UNSUPPORTED,
+                  "kernel %s: this build carries it for this device only as compute_%d PTX, below the compute "
+                  "capability %d.%d its instructions need (add SASS for the device or compute_%d PTX)",
+                  e.name, arch, e.min_sm / 10, e.min_sm % 10, e.min_sm);
+  }
+  int smem = 0;
+  if (cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id) != cudaSuccess) {
+    (void)cudaGetLastError();
+    smem = 0;
+  }
+  if (smem > 0 && e.smem_bytes > smem)
+    return fail(SPARGE_ERR_UNSUPPORTED, "kernel %s needs %d bytes of shared memory per CTA, the device offers %d",
+                e.name, e.smem_bytes, smem);
+  return SPARGE_OK;
+}
+
+}  // namespace
 
 sparge_status_t choose_kernel(const Problem& p, int sm_version, const KernelEntry** out) {
   *out = nullptr;
   Family fam;
   if (!family_for_device(sm_version, &fam))
     return fail(SPARGE_ERR_UNSUPPORTED,
-                "compute capability %d.%d: this build carries attention kernels for compute capability 9.0 (sm_90a) "
-                "only",
-                sm_version / 10, sm_version % 10);
+                "compute capability %d.%d: this build carries attention kernels for %s",
+                sm_version / 10, sm_version % 10,
+#if defined(SPARGE_WITH_PORTABLE)
+                "compute capability 8.0 and newer (mma.sync)"
+#else
+                "compute capability 9.0 (sm_90a) only"
+#endif
+    );
   if (p.precision == SPARGE_PRECISION_FP16 && dev_switches().fp16 == Fp16Choice::kPortable)
     fam = Family::kPortable;
   const KernelKey key{fam, p.precision, static_cast<int>(p.D), p.dtype, p.causal};
@@ -128,6 +198,7 @@ sparge_status_t choose_kernel(const Problem& p, int sm_version, const KernelEntr
                 (p.D == 256 && hint[0]) ? hint : "");
   }
   SPARGE_TRY(e->supports(p));
+  SPARGE_TRY(check_entry_on_device(*e, p, sm_version));
   *out = e;
   return SPARGE_OK;
 }

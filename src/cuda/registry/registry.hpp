@@ -51,6 +51,13 @@ struct KernelEntry {
   sparge_status_t (*setup)(const AttnArgs& a, LaunchBlob* blob, bool* applies);
   // Queues the kernel prepared in `blob` on `stream`.
   sparge_status_t (*run)(const LaunchBlob& blob, cudaStream_t stream);
+  // The lowest compute capability (major*10 + minor) the kernel's instructions
+  // need (fp8 mma.sync: 89); 0: the family's own rule.
+  int min_sm = 0;
+  // The architecture of the image the kernel runs as on the current device
+  // (the PTX's when the driver compiles it, else the SASS's; 0: none), or
+  // null when the family's rule settles it.
+  int (*image_arch)() = nullptr;
 };
 
 // The entry for `key`, or nullptr.
@@ -60,8 +67,9 @@ int kernel_count();
 const KernelEntry* kernel_at(int i);
 
 // The family a device of compute capability `sm_version` runs, or false when
-// this build has none for it. SPARGE_FP16_KERNEL=portable (developer switch)
-// sends FP16-mode plans to the portable family.
+// this build has none for it: sm90 on 9.0 when built, else portable on 8.0
+// and newer. SPARGE_KERNEL_FAMILY=portable sends every plan to the portable
+// family (SPARGE_FP16_KERNEL=portable the FP16-mode plans only).
 bool family_for_device(int sm_version, Family* out);
 
 // Plan time: the kernel of problem `p` on a device of `sm_version`, with a
@@ -69,10 +77,15 @@ bool family_for_device(int sm_version, Family* out);
 // checked before, by predict_supported).
 sparge_status_t choose_kernel(const Problem& p, int sm_version, const KernelEntry** out);
 
-// The portable family's table (attention/portable/), and the generated
-// sm_90a tables (attention/sm90/instances/).
+// The portable family's tables (attention/portable/: the FP16 kernel's, the
+// generated 8-bit one), and the generated sm_90a tables
+// (attention/sm90/instances/).
 extern const KernelEntry kPortableKernels[];
 extern const int kPortableKernelCount;
+namespace portable {
+extern const KernelEntry kPortableInt8Kernels[];
+extern const int kPortableInt8KernelCount;
+}  // namespace portable
 
 }  // namespace cuda
 }  // namespace sparge

@@ -123,6 +123,14 @@ struct OnlineSoftmax {
                                                float& alpha0, float& alpha1) {
     StepScale st;
     st.masked_any = false;
+    if constexpr (!kI8) {
+      // A score of exactly -inf (an infinite k element) would look masked
+      // below; 0 * s + s makes it NaN (and leaves every finite score as it
+      // is), so the rows that use the key become NaN (docs/SEMANTICS.md,
+      // "Non-finite values"). One FFMA per score, FP16 mode only.
+#pragma unroll
+      for (int j = 0; j < NS; ++j) s[j] = __fmaf_rn(0.f, s[j], s[j]);
+    }
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) {
       const int key0 = kb[hh] * 64;

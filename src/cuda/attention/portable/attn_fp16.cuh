@@ -26,12 +26,22 @@
 
 #include <cstdint>
 
+#include "cuda/attention/portable/primitives.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
 
 namespace sparge {
 namespace cuda {
 namespace fp16attn {
+
+using portable::cp_async16;
+using portable::cp_async_commit;
+using portable::cp_async_wait;
+using portable::ex2;
+using portable::ldsm_x4;
+using portable::ldsm_x4_t;
+using portable::Mma;
+using portable::smem_u32;
 
 constexpr int kBQ = 128;    // query rows per CTA (== mask BQ)
 constexpr int kBK = 64;     // keys per tile (== mask BK)
@@ -66,71 +76,6 @@ struct Params {
   int Hq, group, Lq, Lkv, nQB, nKB;
   float scale_log2;  // scale * log2(e), > 0
 };
-
-// ------------------------------------------------------------ primitives
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy; ok == false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-template <class T>
-struct Mma;
-template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  // Two fp32 -> one b32 holding (lo, hi) as 16-bit values, round to nearest even.
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Shared-memory tiles are [rows][D] 16-bit values, row pitch D*2 bytes (128 or
 // 256 B), split in 16-byte chunks. Chunk c of row r is stored at chunk
@@ -287,7 +232,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
 
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      // ---- mask (only on tiles that need it), row max over raw scores
+      // ---- a score of exactly -inf (an infinite k element) becomes NaN, so
+      // that it is not taken for a masked one (docs/SEMANTICS.md); then the
+      // mask (only on tiles that need it), row max over raw scores
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] = __fmaf_rn(0.f, s[mt][j][e], s[mt][j][e]);
       if (need_mask) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -429,6 +380,18 @@ sparge_status_t launch(const Params& p, int64_t grid, cudaStream_t stream) {
   return SPARGE_OK;
 }
 
+// The architecture of the image the <T, D, causal> kernel runs as on the
+// current device (cudaFuncAttributes::ptxVersion), 0 when there is none.
+template <class T, int D, bool kCausal>
+int image_arch() {
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, attn_fp16_kernel<T, D, kCausal>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return fa.ptxVersion;
+}
+
 // The instances for one dtype (head dims 64 and 128, causal and not). They are
 // declared extern here and defined in attn_fp16_<dtype>.cu, one file per dtype,
 // so the kernels compile in parallel and only once.
@@ -436,7 +399,11 @@ sparge_status_t launch(const Params& p, int64_t grid, cudaStream_t stream) {
   EXTERN template sparge_status_t launch<T, 64, false>(const Params&, int64_t, cudaStream_t);  \
   EXTERN template sparge_status_t launch<T, 64, true>(const Params&, int64_t, cudaStream_t);   \
   EXTERN template sparge_status_t launch<T, 128, false>(const Params&, int64_t, cudaStream_t); \
-  EXTERN template sparge_status_t launch<T, 128, true>(const Params&, int64_t, cudaStream_t);
+  EXTERN template sparge_status_t launch<T, 128, true>(const Params&, int64_t, cudaStream_t);  \
+  EXTERN template int image_arch<T, 64, false>();                                              \
+  EXTERN template int image_arch<T, 64, true>();                                               \
+  EXTERN template int image_arch<T, 128, false>();                                             \
+  EXTERN template int image_arch<T, 128, true>();
 SPARGE_FP16_ATTN_INSTANCES(extern, __half)
 SPARGE_FP16_ATTN_INSTANCES(extern, __nv_bfloat16)
 

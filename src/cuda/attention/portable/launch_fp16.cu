@@ -81,7 +81,9 @@ constexpr KernelEntry portable_entry(sparge_dtype_t dtype, const char* name) {
                      fp16attn::smem_bytes<D>(),
                      &portable_supports,
                      &portable_setup,
-                     &portable_run<T, D, kCausal>};
+                     &portable_run<T, D, kCausal>,
+                     80,
+                     &fp16attn::image_arch<T, D, kCausal>};
 }
 
 }  // namespace
