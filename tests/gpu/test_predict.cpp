@@ -8,9 +8,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
+#include "core/kernel_traits.hpp"
 #include "gpu_util.hpp"
+// The library's own workspace layout code (white-box: the KEYS_LSE tests read the block scores and
+// the pooled queries out of the workspace). The shared library does not export it; this copy is
+// the test program's own.
+#include "core/workspace.cpp"
 
 using namespace sgt;
 
@@ -355,7 +361,7 @@ TEST_CASE("causal defaults: no query row without a kept key", "[gpu][predict][ca
 
 // Estimator KEYS_LSE: CUDA masks equal the CPU predictor's except in rows whose top-k cut is a
 // near-tie of the float64 block scores (log sum over the block's keys of exp(scale pq . k_j)).
-TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][sanitize]") {
+TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][keys_lse][sanitize]") {
   const PredCase cases[] = {
       {"lse-causal-gqa", shp(1, 4, 2, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true},
       {"lse-cross", shp(1, 2, 2, 300, 1100, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false},
@@ -411,4 +417,370 @@ TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][
       if (ties) WARN(c.name << ": " << ties << " near-tie rows differ");
     }
   }
+}
+
+// ---------------------------------------------------------------- KEYS_LSE block scores
+// The per-key estimator's block scores as the CUDA kernel leaves them in the workspace, against a
+// float64 recomputation from the same pooled queries (read from the workspace: this isolates the
+// score kernel from the pooling, which the tests above cover) and the exact 16-bit keys:
+//   ref[qb, kb] = log sum_j exp(float32(scale * pq . k_j)) over the keys of kb that the last row
+//   of qb sees.
+// Tolerance, per block: the kernel splits each float32 pooled value q into hi = rn16(q) and
+// lo = rn16(q - hi), so |q - hi - lo| <= u^2 |q| (u = 2^-11 for fp16, 2^-8 for bf16: 2^-22 and
+// 2^-16 relative), K is exact, the products are exact and the tensor cores accumulate in float32
+// (at most ~D/8 accumulator additions plus the in-core sums of 16 products, each within 2^-23 of
+// the running magnitude). A key's score is then within scale * A_j * (u^2 + D 2^-23) of the exact
+// one, A_j = sum_c |q_c k_jc|; the log-sum-exp moves by at most the largest such error over the
+// block's keys. The bound below doubles both terms, and adds 2^-19 (1 + |s|) for the log-sum-exp
+// itself: ex2/lg2.approx (relative ~2^-22), about 20 float32 additions of exponentials (each
+// within 2^-24 of the sum), the running-max rescaling and the final float32 rounding.
+// Masks must equal the CPU predictor's except in rows with a near-tie of the float64 scores; a
+// row with a non-finite visible score keeps every visible block (docs/SEMANTICS.md, "Non-finite
+// values").
+namespace {
+
+struct LseCase {
+  const char* name;
+  Shape s;
+  Layout layout;
+  sparge_dtype_t dtype;
+  bool outliers;
+  bool misalign_k;  // K 2 bytes past a 16-byte boundary: the kernel's scalar-load path
+  int64_t nan_key;  // >= 0: k[0, 0, nan_key, 7 % D] = NaN
+  float q_mul;      // q scaled by this before rounding (small values exercise the fp16 row scaling)
+};
+
+struct PlanGuard {
+  sparge_plan_t p = nullptr;
+  ~PlanGuard() { sparge_destroy_plan(p); }
+};
+
+// What the library's validation makes of a problem (src/api/validate.cpp), enough for the layout.
+sparge::Problem layout_problem(const Shape& s, sparge_dtype_t dtype, sparge_precision_t prec) {
+  sparge::Problem p;
+  p.B = s.B, p.Hq = s.Hq, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lkv = s.Lkv, p.D = s.D;
+  p.Dk = sparge::gpu_kernel_head_dim(s.D);
+  p.dtype = dtype;
+  p.device = SPARGE_DEVICE_CUDA;
+  p.precision = prec;
+  p.causal = s.causal;
+  p.BQ = 128, p.BK = 64;
+  p.nQB = s.nQB(), p.nKB = s.nKB();
+  return p;
+}
+
+sparge_problem_t api_problem(const Shape& s, sparge_dtype_t dtype, sparge_precision_t prec) {
+  sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+  pr.batch = s.B, pr.heads_q = s.Hq, pr.heads_kv = s.Hkv, pr.len_q = s.Lq, pr.len_kv = s.Lkv, pr.head_dim = s.D;
+  pr.dtype = dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.device_id = 0, pr.precision = prec;
+  pr.causal = s.causal ? 1 : 0;
+  return pr;
+}
+
+void run_keys_lse_case(const LseCase& c) {
+  const Shape& s = c.s;
+  const uint64_t seed = case_seed(std::string("keys-lse-") + c.name);
+  std::printf("keys_lse case %-20s %s %s %s%s%s seed 0x%016llx\n", c.name, s.str().c_str(), layout_name(c.layout),
+              dtype_name(c.dtype), c.misalign_k ? " misaligned-k" : "", c.nan_key >= 0 ? " nan-k" : "",
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  INFO(c.name << " [" << s.str() << "] " << dtype_name(c.dtype));
+  Inputs in = make_inputs(s, c.layout, c.dtype, c.outliers, seed);
+  if (c.q_mul != 1.0f) {
+    std::vector<float> v = in.q.val;
+    for (float& x : v) x *= c.q_mul;
+    in.q.set_values(v);
+  }
+  const int64_t D = s.D, nQB = s.nQB(), nKB = s.nKB(), g = s.group(), Dk = sparge::gpu_kernel_head_dim(D);
+  if (c.nan_key >= 0) {
+    const int64_t ch = 7 % D;
+    in.k.val[in.k.lidx(0, 0, c.nan_key, ch)] = NAN;
+    in.k.bits[static_cast<size_t>(in.k.off(0, 0, c.nan_key, ch))] = c.dtype == SPARGE_DTYPE_FLOAT16 ? 0x7e00 : 0x7fc0;
+  }
+  const DeviceInputs din(in);
+  Stream stream;
+  const sparge_precision_t prec = D == 256 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_INT8_FP8;
+
+  PlanGuard plan;
+  const sparge_problem_t pr = api_problem(s, c.dtype, prec);
+  const sparge_status_t cs = sparge_create_plan(&pr, &plan.p);
+  if (cs == SPARGE_ERR_UNSUPPORTED) {  // e.g. a head dim left out of this build's kernels
+    WARN(c.name << ": skipped, plan unsupported: " << sparge_last_error());
+    return;
+  }
+  REQUIRE(cs == SPARGE_OK);
+  size_t wsb = 0;
+  REQUIRE(sparge_plan_workspace_size(plan.p, &wsb) == SPARGE_OK);
+  const sparge::WorkspaceLayout L = sparge::plan_workspace(layout_problem(s, c.dtype, prec));
+  REQUIRE(L.total == wsb);  // the layout problem is the plan's
+  DeviceBuffer ws(wsb);
+  ws.fill(0xA5);
+
+  DeviceBuffer kmis;
+  void* kptr = din.k.get();
+  if (c.misalign_k) {
+    kmis.alloc(in.k.storage * 2 + 16);
+    SGT_CUDA(cudaMemcpy(kmis.as<char>() + 2, in.k.bits.data(), in.k.storage * 2, cudaMemcpyHostToDevice));
+    kptr = kmis.as<char>() + 2;
+  }
+  const sparge_tensor_t qd = desc4(in.q, din.q.get(), SPARGE_DEVICE_CUDA);
+  const sparge_tensor_t kd = desc4(in.k, kptr, SPARGE_DEVICE_CUDA);
+  const size_t nmask = static_cast<size_t>(s.B * s.Hq * nQB * nKB);
+  DeviceBuffer dmask(nmask), dkept(static_cast<size_t>(s.B * s.Hq) * 4);
+  const int64_t msh[4] = {s.B, s.Hq, nQB, nKB}, mst[4] = {s.Hq * nQB * nKB, nQB * nKB, nKB, 1};
+  const int64_t ksh[2] = {s.B, s.Hq}, kst[2] = {s.Hq, 1};
+  const sparge_tensor_t md = make_desc(dmask.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_UINT8, 4, msh, mst);
+  const sparge_tensor_t kpd = make_desc(dkept.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_INT32, 2, ksh, kst);
+  sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+  prm.topk = 0.3f;
+  prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+  const sparge_status_t st = sparge_predict_mask(plan.p, &qd, &kd, &prm, &md, &kpd, ws.get(), wsb, stream.get());
+  stream.sync();
+  REQUIRE(st == SPARGE_OK);
+  SGT_CUDA(cudaGetLastError());
+
+  std::vector<float> scores(nmask), pooled(static_cast<size_t>(s.B * s.Hq * nQB * Dk));
+  SGT_CUDA(cudaMemcpy(scores.data(), ws.as<char>() + L.scores, scores.size() * 4, cudaMemcpyDeviceToHost));
+  SGT_CUDA(cudaMemcpy(pooled.data(), ws.as<char>() + L.pooled_q, pooled.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<uint8_t> mask(nmask);
+  std::vector<int32_t> kept(static_cast<size_t>(s.B * s.Hq));
+  dmask.download(mask.data(), mask.size());
+  dkept.download(kept.data(), kept.size() * 4);
+
+  // float64 reference and its bound, visible blocks only
+  const double scale = static_cast<double>(static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))));
+  const double u = c.dtype == SPARGE_DTYPE_FLOAT16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  const double rel = 2.0 * u * u + static_cast<double>(D) * std::ldexp(1.0, -22);
+  std::vector<double> ref(nmask, NAN), tol(nmask, 0.0);
+  parallel_for(s.B * s.Hq, [&](int64_t bh) {
+    const int64_t b = bh / s.Hq, h = bh % s.Hq, hk = h / g;
+    std::vector<double> sc(64);
+    for (int64_t qb = 0; qb < nQB; ++qb) {
+      const int64_t vis = visible_blocks(s, qb);
+      const int64_t r1 = std::min(s.Lq, (qb + 1) * 128);
+      const int64_t last_key = s.causal ? std::min(s.Lkv - 1, r1 - 1 + s.Lkv - s.Lq) : s.Lkv - 1;
+      const float* pq = &pooled[static_cast<size_t>((bh * nQB + qb) * Dk)];
+      for (int64_t kb = 0; kb < vis; ++kb) {
+        const int64_t j0 = kb * 64, j1 = std::min({s.Lkv, j0 + 64, last_key + 1});
+        double m = -HUGE_VAL, amax = 0.0;
+        bool nan = false;
+        for (int64_t j = j0; j < j1; ++j) {
+          double d = 0.0, a = 0.0;
+          for (int64_t ch = 0; ch < D; ++ch) {
+            const double x = static_cast<double>(pq[ch]) * in.k.val[in.k.lidx(b, hk, j, ch)];
+            d += x;
+            a += std::fabs(x);
+          }
+          const double v = static_cast<double>(static_cast<float>(scale * d));
+          sc[static_cast<size_t>(j - j0)] = v;
+          nan = nan || std::isnan(v);
+          if (v > m) m = v;
+          amax = std::max(amax, a);
+        }
+        double sum = 0.0;
+        for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[static_cast<size_t>(j - j0)] - m);
+        const size_t i = static_cast<size_t>((bh * nQB + qb) * nKB + kb);
+        ref[i] = nan ? NAN : m + std::log(sum);
+        tol[i] = scale * amax * rel + std::ldexp(1.0, -19) * (1.0 + std::fabs(ref[i]));
+      }
+    }
+  });
+
+  int64_t bad = 0, finite_mismatch = 0, nonfinite_ref = 0, nonfinite_rows_not_all_kept = 0, kept_bad = 0;
+  int64_t rows_diff = 0, rows_tie = 0, checked = 0;
+  double worst = 0.0;  // max |gpu - ref| / tol
+  for (int64_t bh = 0; bh < s.B * s.Hq; ++bh) {
+    int64_t kcount = 0;
+    for (int64_t qb = 0; qb < nQB; ++qb) {
+      const int64_t vis = visible_blocks(s, qb);
+      const size_t row = static_cast<size_t>((bh * nQB + qb) * nKB);
+      bool row_nonfinite = false;
+      for (int64_t kb = 0; kb < vis; ++kb) {
+        const size_t i = row + static_cast<size_t>(kb);
+        const double x = scores[i], r = ref[i];
+        ++checked;
+        if (!std::isfinite(r)) {
+          ++nonfinite_ref;
+          row_nonfinite = true;
+          if (std::isfinite(x) && ++finite_mismatch <= 5)
+            UNSCOPED_INFO("bh " << bh << " qb " << qb << " kb " << kb << ": reference " << r << ", gpu " << x);
+          continue;
+        }
+        if (!std::isfinite(x)) {
+          if (++finite_mismatch <= 5)
+            UNSCOPED_INFO("bh " << bh << " qb " << qb << " kb " << kb << ": reference " << r << ", gpu " << x);
+          continue;
+        }
+        const double e = std::fabs(x - r) / tol[i];
+        worst = std::max(worst, e);
+        if (e > 1.0 && ++bad <= 5)
+          UNSCOPED_INFO("bh " << bh << " qb " << qb << " kb " << kb << ": gpu " << x << " reference " << r
+                              << " |diff| " << std::fabs(x - r) << " > tol " << tol[i]);
+      }
+      for (int64_t kb = 0; kb < nKB; ++kb) kcount += mask[row + static_cast<size_t>(kb)];
+      if (row_nonfinite)
+        for (int64_t kb = 0; kb < vis; ++kb) nonfinite_rows_not_all_kept += mask[row + static_cast<size_t>(kb)] != 1;
+    }
+    kept_bad += kept[static_cast<size_t>(bh)] != kcount;
+  }
+  // masks against the CPU backend (near-ties of the float64 scores excepted)
+  const PredictResult cp = cpu_predict(in, prec, prm, nullptr);
+  REQUIRE(cp.status == SPARGE_OK);
+  for (int64_t bh = 0; bh < s.B * s.Hq; ++bh)
+    for (int64_t qb = 0; qb < nQB; ++qb) {
+      const size_t row = static_cast<size_t>((bh * nQB + qb) * nKB);
+      if (std::memcmp(&mask[row], &cp.mask[row], static_cast<size_t>(nKB)) == 0) continue;
+      ++rows_diff;
+      std::vector<double> sorted;
+      for (int64_t kb = 0; kb < visible_blocks(s, qb); ++kb) sorted.push_back(ref[row + static_cast<size_t>(kb)]);
+      std::sort(sorted.rbegin(), sorted.rend());
+      bool tie = false;
+      for (size_t i = 0; i + 1 < sorted.size(); ++i) tie = tie || sorted[i] - sorted[i + 1] < 1e-4;
+      rows_tie += tie;
+      if (!tie && rows_diff - rows_tie <= 5) UNSCOPED_INFO("mask row bh " << bh << " qb " << qb << " differs from the CPU's");
+    }
+  const std::string label = std::string(c.name) + " " + dtype_name(c.dtype);
+  record("keys_lse", label, "max |err| / bound", worst, 1.0, false);
+  record("keys_lse", label, "mask rows differing (no tie)", static_cast<double>(rows_diff - rows_tie), 0, false);
+  CHECK(checked > 0);
+  CHECK(bad == 0);
+  CHECK(finite_mismatch == 0);
+  CHECK(nonfinite_rows_not_all_kept == 0);
+  CHECK(kept_bad == 0);
+  CHECK(rows_diff - rows_tie == 0);
+  if (c.nan_key >= 0) CHECK(nonfinite_ref > 0);  // the NaN reached some visible block
+  if (rows_tie) WARN(c.name << ": " << rows_tie << " near-tie rows differ from the CPU's");
+}
+
+}  // namespace
+
+// Small shapes (also run under compute-sanitizer): both dtypes, causal and not, GQA (Hq = 4 Hkv),
+// ragged Lkv, Lq != Lkv in both directions, D = 64 and 128, a misaligned K (scalar loads), a NaN in k.
+TEST_CASE("predict, estimator KEYS_LSE: block scores vs float64", "[gpu][predict][keys_lse][sanitize]") {
+  const LseCase cases[] = {
+      {"ks-bf16-causal-gqa4", shp(1, 8, 2, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true, false, -1,
+       1.0f},
+      {"ks-fp16-cross-gqa4", shp(2, 4, 1, 300, 1100, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false, false, -1,
+       1.0f},
+      {"ks-bf16-Lq-gt-Lkv", shp(1, 4, 1, 700, 333, 64, true), Layout::HND_PAD, SPARGE_DTYPE_BFLOAT16, false, false, -1,
+       1.0f},
+      {"ks-fp16-Lq-lt-Lkv", shp(1, 4, 1, 450, 1300, 128, true), Layout::NHD, SPARGE_DTYPE_FLOAT16, true, false, -1,
+       1.0f},
+      {"ks-fp16-misaligned", shp(1, 2, 2, 260, 777, 128, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, true, -1,
+       1.0f},
+      {"ks-bf16-misaligned", shp(1, 4, 1, 200, 300, 64, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, true, -1,
+       1.0f},
+      {"ks-bf16-nan-k", shp(1, 4, 1, 640, 640, 128, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, false, 500, 1.0f},
+      {"ks-fp16-nan-k", shp(1, 4, 2, 300, 900, 64, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, false, 70, 1.0f},
+  };
+  for (const LseCase& c : cases) run_keys_lse_case(c);
+}
+
+// Larger shapes: several row chunks and key chunks per kv head (> 128 pooled rows, > 2048 keys),
+// the padded head dim 96 and D = 256, fp16 rows of tiny and of large magnitude (the power-of-two
+// row scaling), and outlier channels.
+TEST_CASE("predict, estimator KEYS_LSE: block scores vs float64, larger shapes", "[gpu][predict][keys_lse]") {
+  const LseCase cases[] = {
+      {"ks-fp16-gqa8-chunks", shp(1, 8, 1, 2200, 2200, 64, true), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, false, -1,
+       1.0f},
+      {"ks-bf16-long", shp(1, 4, 4, 512, 4160, 128, false), Layout::HND, SPARGE_DTYPE_BFLOAT16, true, false, -1, 1.0f},
+      {"ks-bf16-gqa4-causal", shp(2, 8, 2, 2100, 2100, 128, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, false,
+       -1, 1.0f},
+      {"ks-fp16-tiny-q", shp(1, 4, 1, 1000, 1000, 128, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, false, -1,
+       1.0f / 4096},
+      {"ks-fp16-large-q", shp(1, 4, 1, 1000, 1000, 64, true), Layout::NHD, SPARGE_DTYPE_FLOAT16, true, false, -1,
+       256.0f},
+      {"ks-bf16-d96", shp(1, 4, 2, 1000, 1000, 96, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, false, -1, 1.0f},
+      {"ks-fp16-d256", shp(1, 2, 1, 700, 900, 256, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, true, false, -1, 1.0f},
+  };
+  for (const LseCase& c : cases) run_keys_lse_case(c);
+}
+
+// Timing (hidden: run by name or tag, e.g. sparge_gpu_tests "[keys_lse_bench]"): predict_mask with
+// the MEAN and the KEYS_LSE estimators and dense int8_fp8 attention at B = 1, H = 32, D = 128,
+// bf16, N = 32K (SPARGE_KEYS_LSE_BENCH_N overrides N), causal and not; median of CUDA event times.
+TEST_CASE("predict, estimator KEYS_LSE: timing at N = 32K", "[.][bench][keys_lse_bench]") {
+  int64_t N = 32768;
+  if (const char* e = std::getenv("SPARGE_KEYS_LSE_BENCH_N")) N = std::max<int64_t>(128, std::atoll(e));
+  const int64_t B = 1, H = 32, D = 128;
+  const sparge_dtype_t dt = SPARGE_DTYPE_BFLOAT16;
+  const size_t elems = static_cast<size_t>(B * H * N * D);
+  // random bf16 inputs, never zeros (normal values), generated per head in parallel
+  auto make = [&](uint64_t sd) {
+    std::vector<uint16_t> bits(elems);
+    parallel_for(B * H, [&](int64_t bh) {
+      const std::vector<float> v = random_values(1, 1, N, D, mix64(sd ^ static_cast<uint64_t>(bh)), false, 0.f);
+      for (size_t i = 0; i < v.size(); ++i) bits[static_cast<size_t>(bh) * v.size() + i] = to16(v[i], dt);
+    });
+    DeviceBuffer d(elems * 2);
+    d.upload(bits.data(), elems * 2);
+    return d;
+  };
+  const uint64_t seed = case_seed("keys-lse-bench");
+  DeviceBuffer q = make(seed ^ 1), k = make(seed ^ 2), v = make(seed ^ 3);
+  DeviceBuffer out(elems * 2);
+  const int64_t nQB = (N + 127) / 128, nKB = (N + 63) / 64;
+  const int64_t shape[4] = {B, H, N, D}, str[4] = {H * N * D, N * D, D, 1};
+  const sparge_tensor_t qd = make_desc(q.get(), SPARGE_DEVICE_CUDA, dt, 4, shape, str);
+  const sparge_tensor_t kd = make_desc(k.get(), SPARGE_DEVICE_CUDA, dt, 4, shape, str);
+  const sparge_tensor_t vd = make_desc(v.get(), SPARGE_DEVICE_CUDA, dt, 4, shape, str);
+  const sparge_tensor_t od = make_desc(out.get(), SPARGE_DEVICE_CUDA, dt, 4, shape, str);
+  const size_t nmask = static_cast<size_t>(B * H * nQB * nKB);
+  DeviceBuffer dmask(nmask), ones(nmask), dkept(static_cast<size_t>(B * H) * 4);
+  ones.fill(1);
+  const int64_t msh[4] = {B, H, nQB, nKB}, mst[4] = {H * nQB * nKB, nQB * nKB, nKB, 1};
+  const int64_t ksh[2] = {B, H}, kst[2] = {H, 1};
+  const sparge_tensor_t md = make_desc(dmask.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_UINT8, 4, msh, mst);
+  const sparge_tensor_t onesd = make_desc(ones.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_UINT8, 4, msh, mst);
+  const sparge_tensor_t kpd = make_desc(dkept.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_INT32, 2, ksh, kst);
+  Stream stream;
+  cudaEvent_t e0, e1;
+  SGT_CUDA(cudaEventCreate(&e0));
+  SGT_CUDA(cudaEventCreate(&e1));
+  auto median_ms = [&](const std::function<sparge_status_t()>& fn, int iters) {
+    for (int w = 0; w < 2; ++w) REQUIRE(fn() == SPARGE_OK);
+    std::vector<float> t;
+    for (int i = 0; i < iters; ++i) {
+      SGT_CUDA(cudaEventRecord(e0, stream.get()));
+      REQUIRE(fn() == SPARGE_OK);
+      SGT_CUDA(cudaEventRecord(e1, stream.get()));
+      SGT_CUDA(cudaEventSynchronize(e1));
+      float ms = 0;
+      SGT_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return static_cast<double>(t[t.size() / 2]);
+  };
+  for (int causal : {0, 1}) {
+    Shape s = shp(B, H, H, N, N, D, causal != 0);
+    PlanGuard plan;
+    const sparge_problem_t pr = api_problem(s, dt, SPARGE_PRECISION_INT8_FP8);
+    REQUIRE(sparge_create_plan(&pr, &plan.p) == SPARGE_OK);
+    size_t wsb = 0;
+    REQUIRE(sparge_plan_workspace_size(plan.p, &wsb) == SPARGE_OK);
+    DeviceBuffer ws(wsb);
+    sparge_predict_params_t mean = SPARGE_PREDICT_PARAMS_INIT, lse = SPARGE_PREDICT_PARAMS_INIT;
+    lse.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+    const double t_mean = median_ms(
+        [&] { return sparge_predict_mask(plan.p, &qd, &kd, &mean, &md, &kpd, ws.get(), wsb, stream.get()); }, 15);
+    const double t_lse = median_ms(
+        [&] { return sparge_predict_mask(plan.p, &qd, &kd, &lse, &md, &kpd, ws.get(), wsb, stream.get()); }, 15);
+    const double t_dense = median_ms(
+        [&] {
+          return sparge_attention_run(plan.p, &qd, &kd, &vd, &onesd, nullptr, &od, nullptr, ws.get(), wsb,
+                                      stream.get());
+        },
+        5);
+    std::printf(
+        "keys_lse timing: B=%lld H=%lld N=%lld D=%lld bf16 causal=%d: predict_mask mean %.3f ms, keys_lse %.3f ms "
+        "(+%.3f ms), dense int8_fp8 attention %.3f ms; keys_lse predict / dense = %.2f %% (target <= 2 %%)\n",
+        static_cast<long long>(B), static_cast<long long>(H), static_cast<long long>(N), static_cast<long long>(D),
+        causal, t_mean, t_lse, t_lse - t_mean, t_dense, 100.0 * t_lse / t_dense);
+    std::fflush(stdout);
+    const std::string label = "N" + std::to_string(N) + (causal ? " causal" : "");
+    record("keys_lse_bench", label, "predict keys_lse / dense attention", t_lse / t_dense, 0.02, false, false);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
 }

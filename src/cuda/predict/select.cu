@@ -34,7 +34,7 @@ struct ScoreArgs {
 };
 
 // acc[i][j] += the sum over one head-dim chunk of sq[c][8ty + i] * sk[c][4tx + j]:
-// a thread's 8 x 4 block of the pooled (or per-key) score tile.
+// a thread's 8 x 4 block of the pooled score tile.
 __device__ __forceinline__ void fma_tile(const float (&sq)[kSDC][kST], const float (&sk)[kSDC][kST], int ty, int tx,
                                          float (&acc)[8][4]) {
 #pragma unroll 4
@@ -106,99 +106,6 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
       const int64_t kb = kb0 + 4 * tx + j;
       if (kb < p.nKB) row[kb] = scale * acc[i][j];
     }
-  }
-}
-
-// ---------------------------------------------------------------- per-key scores (KEYS_LSE)
-// scores[bh, qb, kb] = log sum_{j in kb} exp(scale * pq . k_j) over the keys j of block kb that the
-// last row of qb sees (raw 16-bit keys, float32 products and sums, as the pooled scores). The tile
-// of scores_kernel with key rows in place of pooled key blocks: one CTA per (bh, 64 query blocks,
-// one key block of 64 keys); thread (tx, ty) holds query blocks 8ty..8ty+7 x keys 4tx..4tx+3, and
-// the row's max and sum of exponentials are reduced over the 16 lanes tx of a half warp.
-struct KeyScoreArgs {
-  Problem prob;
-  Tensor4 k;
-  const float* pooled_q;  // [B*Hq, nQB, D]
-  float* scores;          // [B*Hq, nQB, nKB]
-  int64_t ntq;
-};
-
-template <class T>
-__global__ void __launch_bounds__(kSThreads) key_scores_kernel(const KeyScoreArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
-  __shared__ __align__(16) float sq[kSDC][kST];
-  __shared__ __align__(16) float sk[kSDC][kST];
-  const Problem& p = a.prob;
-  const uint32_t nKB = uint32_t(p.nKB), ntq = uint32_t(a.ntq);
-  const uint32_t kb = blockIdx.x % nKB, t2 = blockIdx.x / nKB;
-  const uint32_t tq = t2 % ntq, bh = t2 / ntq;
-  const uint32_t Hq = uint32_t(p.Hq), Hkv = uint32_t(p.Hkv);
-  const uint32_t b = bh / Hq, h = bh % Hq, hk = h / (Hq / Hkv);
-  const int tid = threadIdx.x;
-  const int64_t qb0 = int64_t(tq) * kST;
-  const int64_t qb_last = min(p.nQB, qb0 + kST) - 1;
-  if (int64_t(kb) >= visible_key_blocks(p, qb_last)) return;  // uniform
-
-  const int D = int(p.D);
-  const float* pq = a.pooled_q + (int64_t(bh) * p.nQB) * D;
-  const T* kp = static_cast<const T*>(a.k.data);
-  const int64_t j0 = int64_t(kb) * p.BK;
-  const int tx = tid % 16, ty = tid / 16;
-  float acc[8][4];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-
-  for (int d0 = 0; d0 < D; d0 += kSDC) {
-    __syncthreads();
-#pragma unroll
-    for (int it = 0; it < (kST * kSDC / 4) / kSThreads; ++it) {
-      const int e = tid + it * kSThreads;
-      const int r = e % kST, c4 = (e / kST) * 4;
-      const int64_t qb = qb0 + r, j = j0 + r;
-      float4 qv = make_float4(0.f, 0.f, 0.f, 0.f);
-      float kv[4] = {0.f, 0.f, 0.f, 0.f};
-      if (qb < p.nQB) qv = *reinterpret_cast<const float4*>(pq + qb * D + d0 + c4);
-      if (j < p.Lkv) {
-        const T* kr = kp + a.k.offset(b, hk, j, d0 + c4);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) kv[c] = static_cast<float>(kr[c]);
-      }
-      sq[c4 + 0][r] = qv.x, sq[c4 + 1][r] = qv.y, sq[c4 + 2][r] = qv.z, sq[c4 + 3][r] = qv.w;
-      sk[c4 + 0][r] = kv[0], sk[c4 + 1][r] = kv[1], sk[c4 + 2][r] = kv[2], sk[c4 + 3][r] = kv[3];
-    }
-    __syncthreads();
-    fma_tile(sq, sk, ty, tx, acc);
-  }
-  const float scale = p.scale;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int64_t qb = qb0 + 8 * ty + i;  // uniform over the half warp
-    int64_t last_key = p.Lkv - 1;
-    if (p.causal) {
-      const int64_t last_row = min(p.Lq, (qb + 1) * p.BQ) - 1;
-      last_key = min(last_key, causal_last_key(last_row, p.Lq, p.Lkv));
-    }
-    float sv[4];
-    float m = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t key = j0 + 4 * tx + j;
-      sv[j] = key <= last_key ? scale * acc[i][j] : -INFINITY;
-      m = fmaxf(m, sv[j]);
-    }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float sum = 0.f;
-    if (m != -INFINITY) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) sum += sv[j] == -INFINITY ? 0.f : expf(sv[j] - m);
-    }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (tx == 0 && qb < p.nQB)
-      a.scores[(int64_t(bh) * p.nQB + qb) * p.nKB + kb] = m == -INFINITY ? -INFINITY : m + logf(sum);
   }
 }
 
@@ -435,31 +342,6 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
 }
 
 }  // namespace
-
-sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream) {
-  const Problem& p = plan.prob;
-  const WorkspaceLayout& L = plan.ws;
-  SPARGE_TRY(predict_supported(p));
-  if (p.BK != kST)
-    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE on CUDA needs block_k = %d, got %lld", kST,
-                (long long)p.BK);
-  char* base = static_cast<char*>(ws);
-  KeyScoreArgs ka;
-  ka.prob = p;
-  ka.k = k;
-  ka.pooled_q = ws_ptr<float>(base, L.pooled_q);
-  ka.scores = ws_ptr<float>(base, L.scores);
-  ka.ntq = ceil_div(p.nQB, kST);
-  const int64_t n = p.B * p.Hq * ka.ntq * p.nKB;
-  if (n > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "key score grid too large");
-  cudaError_t err = cudaSuccess;
-  if (p.dtype == SPARGE_DTYPE_FLOAT16)
-    err = launch_pdl(key_scores_kernel<__half>, dim3(unsigned(n)), dim3(kSThreads), 0, stream, ka);
-  else
-    err = launch_pdl(key_scores_kernel<__nv_bfloat16>, dim3(unsigned(n)), dim3(kSThreads), 0, stream, ka);
-  SPARGE_PDL_CHECK(err, "sparge per-key scores kernel");
-  return SPARGE_OK;
-}
 
 sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
                               const KeptView* kept, void* ws, cudaStream_t stream) {
