@@ -98,8 +98,8 @@ void run_case(const AttnCase& c, const std::vector<double>& densities) {
       CHECK(g.status == SPARGE_ERR_UNSUPPORTED);
       continue;
     }
-    if (prec == SPARGE_PRECISION_FP16 && forced_portable_fp16() && c.s.D != 64 && c.s.D != 128) {
-      // The portable family has head dims 64 and 128: the plan is refused.
+    if (prec == SPARGE_PRECISION_FP16 && forced_portable_fp16() && c.s.D == 256) {
+      // The portable FP16-mode kernel has head dims 64, 96 and 128: the plan is refused.
       const AttnResult g = gpu_attention(in, din, prec, nullptr, nullptr, true, stream.get());
       CHECK(g.status == SPARGE_ERR_UNSUPPORTED);
       continue;

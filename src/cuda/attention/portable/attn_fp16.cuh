@@ -74,6 +74,7 @@ struct Params {
   const int32_t* cnt;    // [B*Hq, nQB]
   const int32_t* order;  // [B*Hq*nQB]
   int Hq, group, Lq, Lkv, nQB, nKB;
+  int D;             // the problem's head dim (<= the kernel's; D = 96 runs the 128-wide kernel)
   float scale_log2;  // scale * log2(e), > 0
 };
 
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
 #pragma unroll
   for (int i = 0; i < kBQ * kChunks / kThreads; ++i) {
     const int c = tid + i * kThreads, r = c / kChunks, ch = c % kChunks;
-    const bool ok = q0 + r < p.Lq;
+    const bool ok = q0 + r < p.Lq && ch * 8 < p.D;  // columns past D arrive as zeros
     const T* src = gQ + (ok ? static_cast<int64_t>(q0 + r) * p.q_sl : 0) + ch * 8;
     cp_async16(smem_u32(sQ + swz<D>(r, ch)), src, ok);
   }
@@ -129,6 +130,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
   // multiple of 8, so the swizzled destination is a fixed offset per i.
   constexpr int kRowsPerIter = kThreads / kChunks;
   const int ld_r = tid / kChunks, ld_ch = tid % kChunks;
+  const bool ld_col = ld_ch * 8 < p.D;  // columns past D arrive as zeros
   const uint32_t ld_dst = smem_u32(sKV) + swz<D>(ld_r, ld_ch) * 2;
   const int64_t k_step = kRowsPerIter * p.k_sl, v_step = kRowsPerIter * p.v_sl;
   auto load_tile = [&](int t, int s) {
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
     const uint32_t dst = ld_dst + s * (2 * kBK * D * 2);
 #pragma unroll
     for (int i = 0; i < kBK / kRowsPerIter; ++i) {
-      const bool ok = k0 + i * kRowsPerIter < p.Lkv;
+      const bool ok = ld_col && k0 + i * kRowsPerIter < p.Lkv;
       cp_async16(dst + i * kRowsPerIter * D * 2, ok ? srcK : gK, ok);
       cp_async16(dst + kBK * D * 2 + i * kRowsPerIter * D * 2, ok ? srcV : gV, ok);
       srcK += k_step;
@@ -199,10 +201,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
 
     const int k0 = list[t] * kBK;
     bool need_mask = k0 + kBK > p.Lkv;
-    if (kCausal) {
-      if (k0 > row_lo + 31 + diag) continue;     // no row of this warp sees the tile (warp-uniform)
-      need_mask |= k0 + kBK - 1 > row_lo + diag;  // some row does not see every key
-    }
+    // Causal: a warp none of whose rows sees a key of the tile still
+    // multiplies it (all weights 0), so that a non-finite V value reaches the
+    // same rows on every backend (docs/SEMANTICS.md, "Non-finite values").
+    if (kCausal) need_mask |= k0 + kBK - 1 > row_lo + diag;  // some row does not see every key
     const uint32_t aK = kv_base + (t % kStages) * (2 * kBK * D * 2) + k_lane;
     const uint32_t aV = kv_base + (t % kStages) * (2 * kBK * D * 2) + kBK * D * 2 + v_lane;
 
@@ -351,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
   for (int i = 0; i < 32 * kChunks / 32; ++i) {
     const int c = lane + i * 32, r = c / kChunks, ch = c % kChunks;
     const int row = row_lo + r;
-    if (row < p.Lq)
+    if (row < p.Lq && ch * 8 < p.D)
       *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(row) * p.o_sl + ch * 8) =
           *reinterpret_cast<const uint4*>(sQ + swz<D>(warp * 32 + r, ch));
   }

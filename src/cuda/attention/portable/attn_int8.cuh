@@ -315,9 +315,13 @@ struct Int8Cta {
         *reinterpret_cast<uint32_t*>(orow + 2 * col) =
             bf16 ? attn::pack16<__nv_bfloat16>(x0, x1) : attn::pack16<__half>(x0, x1);
       }
-      if (p.lse != nullptr && t4 == 0)
+      if (p.lse != nullptr && t4 == 0) {
+        // A row that used no key keeps LSE -inf, whatever the shift (a NaN
+        // shift comes from a non-finite k: such a row does not use it).
+        const float l = c.sm.lse(half);
         p.lse[int64_t(w.b) * p.lse_stride[0] + int64_t(w.h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] =
-            c.sm.lse(half) + c.lse_shift(half);
+            l == -INFINITY ? l : l + c.lse_shift(half);
+      }
     }
   }
 };

@@ -1,5 +1,6 @@
 // The portable family's registry table: the FP16-mode mma.sync kernel
-// (attn_fp16.cuh; instances in attn_fp16_<dtype>.cu) for head dims 64 and 128.
+// (attn_fp16.cuh; instances in attn_fp16_<dtype>.cu) for head dims 64, 96 (on the
+// 128-wide kernel) and 128.
 // It is the kernel of FP16 plans on devices without an sm_90a family, under
 // SPARGE_FP16_KERNEL=portable, and the fallback of the sm_90a FP16 kernel when
 // TMA cannot express a call's strides.
@@ -57,6 +58,7 @@ sparge_status_t portable_setup(const AttnArgs& a, LaunchBlob* blob, bool* applie
   p.Lkv = static_cast<int>(pr.Lkv);
   p.nQB = static_cast<int>(pr.nQB);
   p.nKB = static_cast<int>(pr.nKB);
+  p.D = static_cast<int>(pr.D);
   p.scale_log2 = pr.scale * kLog2e;
   s->grid = pr.B * pr.Hq * pr.nQB;
   return SPARGE_OK;
@@ -69,9 +71,11 @@ sparge_status_t portable_run(const LaunchBlob& blob, cudaStream_t stream) {
   return fp16attn::launch<T, D, kCausal>(s.p, s.grid, stream);
 }
 
+// Kernel head dim D for problems of head dim `head_dim` (96 runs the 128-wide
+// kernel on zero-filled columns).
 template <class T, int D, bool kCausal>
-constexpr KernelEntry portable_entry(sparge_dtype_t dtype, const char* name) {
-  return KernelEntry{{Family::kPortable, SPARGE_PRECISION_FP16, D, dtype, kCausal},
+constexpr KernelEntry portable_entry(int head_dim, sparge_dtype_t dtype, const char* name) {
+  return KernelEntry{{Family::kPortable, SPARGE_PRECISION_FP16, head_dim, dtype, kCausal},
                      name,
                      D,
                      fp16attn::kBQ,
@@ -89,16 +93,20 @@ constexpr KernelEntry portable_entry(sparge_dtype_t dtype, const char* name) {
 }  // namespace
 
 extern const KernelEntry kPortableKernels[] = {
-    portable_entry<__half, 64, false>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d64_f16"),
-    portable_entry<__nv_bfloat16, 64, false>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d64_bf16"),
-    portable_entry<__half, 64, true>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d64_f16_causal"),
-    portable_entry<__nv_bfloat16, 64, true>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d64_bf16_causal"),
-    portable_entry<__half, 128, false>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d128_f16"),
-    portable_entry<__nv_bfloat16, 128, false>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d128_bf16"),
-    portable_entry<__half, 128, true>(SPARGE_DTYPE_FLOAT16, "portable_fp16_d128_f16_causal"),
-    portable_entry<__nv_bfloat16, 128, true>(SPARGE_DTYPE_BFLOAT16, "portable_fp16_d128_bf16_causal"),
+    portable_entry<__half, 64, false>(64, SPARGE_DTYPE_FLOAT16, "portable_fp16_d64_f16"),
+    portable_entry<__nv_bfloat16, 64, false>(64, SPARGE_DTYPE_BFLOAT16, "portable_fp16_d64_bf16"),
+    portable_entry<__half, 64, true>(64, SPARGE_DTYPE_FLOAT16, "portable_fp16_d64_f16_causal"),
+    portable_entry<__nv_bfloat16, 64, true>(64, SPARGE_DTYPE_BFLOAT16, "portable_fp16_d64_bf16_causal"),
+    portable_entry<__half, 128, false>(128, SPARGE_DTYPE_FLOAT16, "portable_fp16_d128_f16"),
+    portable_entry<__nv_bfloat16, 128, false>(128, SPARGE_DTYPE_BFLOAT16, "portable_fp16_d128_bf16"),
+    portable_entry<__half, 128, true>(128, SPARGE_DTYPE_FLOAT16, "portable_fp16_d128_f16_causal"),
+    portable_entry<__nv_bfloat16, 128, true>(128, SPARGE_DTYPE_BFLOAT16, "portable_fp16_d128_bf16_causal"),
+    portable_entry<__half, 128, false>(96, SPARGE_DTYPE_FLOAT16, "portable_fp16_d96_f16"),
+    portable_entry<__nv_bfloat16, 128, false>(96, SPARGE_DTYPE_BFLOAT16, "portable_fp16_d96_bf16"),
+    portable_entry<__half, 128, true>(96, SPARGE_DTYPE_FLOAT16, "portable_fp16_d96_f16_causal"),
+    portable_entry<__nv_bfloat16, 128, true>(96, SPARGE_DTYPE_BFLOAT16, "portable_fp16_d96_bf16_causal"),
 };
-extern const int kPortableKernelCount = 8;
+extern const int kPortableKernelCount = int(sizeof(kPortableKernels) / sizeof(kPortableKernels[0]));
 
 }  // namespace cuda
 }  // namespace sparge
