@@ -27,9 +27,12 @@ sparge_status_t predict(const Plan&, const Tensor4&, const Tensor4&, const Predi
   return absent();
 }
 sparge_status_t attention(const Plan&, const Tensor4&, const Tensor4&, const Tensor4&, const MaskView*,
-                          const PredictConfig&, const Tensor4&, const LseView*, void*, void*) {
+                          const PredictConfig&, const Tensor4&, const LseView*, void*, void*, const AttnCallKey*) {
   return absent();
 }
+bool call_known(const Plan&, const AttnCallKey&) { return false; }
+CallCache* create_call_cache() { return nullptr; }
+void destroy_call_cache(CallCache*) {}  // never created without the backend
 sparge_status_t merge_states(const MergeArgs&, int, void*) { return absent(); }
 
 }  // namespace cuda

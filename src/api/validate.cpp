@@ -185,7 +185,7 @@ TensorSpec spec_kept(const Plan& plan, const char* name) {
   return TensorSpec{name, SPARGE_DTYPE_INT32, 2, {p.B, p.Hq, 0, 0}, {"B", "Hq", "", ""}, false};
 }
 
-sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const TensorSpec& s) {
+sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const TensorSpec& s, bool query_pointer) {
   const sparge_status_t INV = SPARGE_ERR_INVALID_ARGUMENT;
   const Problem& p = plan.prob;
   if (!t) return fail(INV, "%s is NULL, expected a tensor descriptor", s.name);
@@ -224,7 +224,8 @@ sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const T
   uint64_t bytes = 0;
   if (!checked_product({last + 1, uint64_t(dtype_size(s.dtype))}, &bytes))
     return fail(INV, "%s: the extent given by its shape and strides overflows 64 bits", s.name);
-  if (p.device == SPARGE_DEVICE_CUDA) SPARGE_TRY(cuda::pointer_on_device(t->data, p.device_id, s.name));
+  if (p.device == SPARGE_DEVICE_CUDA && query_pointer)
+    SPARGE_TRY(cuda::pointer_on_device(t->data, p.device_id, s.name));
   return SPARGE_OK;
 }
 
@@ -265,10 +266,12 @@ KeptView to_kept(const sparge_tensor_t& t) {
 namespace {
 bool in_unit_interval(float x) { return x > 0.0f && x <= 1.0f; }  // false for NaN
 
-sparge_status_t check_per_head(const Plan& plan, const float* arr, const char* name, bool unit_interval) {
+sparge_status_t check_per_head(const Plan& plan, const float* arr, const char* name, bool unit_interval,
+                               bool query_pointer) {
   if (!arr) return SPARGE_OK;
   const Problem& p = plan.prob;
-  if (p.device == SPARGE_DEVICE_CUDA) return cuda::pointer_on_device(arr, p.device_id, name);
+  if (p.device == SPARGE_DEVICE_CUDA)
+    return query_pointer ? cuda::pointer_on_device(arr, p.device_id, name) : SPARGE_OK;
   for (int64_t h = 0; h < p.Hq; ++h) {
     const float x = arr[h];
     if (unit_interval ? !in_unit_interval(x) : std::isnan(x))
@@ -279,7 +282,8 @@ sparge_status_t check_per_head(const Plan& plan, const float* arr, const char* n
 }
 }  // namespace
 
-sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* params, PredictConfig* cfg) {
+sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* params, PredictConfig* cfg,
+                            bool query_pointers) {
   const sparge_status_t INV = SPARGE_ERR_INVALID_ARGUMENT;
   const sparge_predict_params_t defaults = SPARGE_PREDICT_PARAMS_INIT;
   const sparge_predict_params_t& in = params ? *params : defaults;
@@ -312,10 +316,11 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   if (in.pv_threshold > 0.0f)
     return fail(SPARGE_ERR_UNSUPPORTED, "params->pv_threshold is %g: the PV skip is reserved, expected 0 (off)",
                 double(in.pv_threshold));
-  if (mode == SPARGE_SELECT_TOPK) SPARGE_TRY(check_per_head(plan, in.topk_per_head, "topk_per_head", true));
+  if (mode == SPARGE_SELECT_TOPK)
+    SPARGE_TRY(check_per_head(plan, in.topk_per_head, "topk_per_head", true, query_pointers));
   if (mode == SPARGE_SELECT_CDF)
-    SPARGE_TRY(check_per_head(plan, in.cdf_threshold_per_head, "cdf_threshold_per_head", true));
-  SPARGE_TRY(check_per_head(plan, in.sim_threshold_per_head, "sim_threshold_per_head", false));
+    SPARGE_TRY(check_per_head(plan, in.cdf_threshold_per_head, "cdf_threshold_per_head", true, query_pointers));
+  SPARGE_TRY(check_per_head(plan, in.sim_threshold_per_head, "sim_threshold_per_head", false, query_pointers));
 
   PredictConfig c;
   c.mode = sparge_select_mode_t(mode);
@@ -334,7 +339,8 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   return SPARGE_OK;
 }
 
-sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t workspace_bytes) {
+sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t workspace_bytes,
+                                bool query_pointer) {
   const size_t need = plan.ws.total;
   if (!workspace && workspace_bytes > 0)
     return fail(SPARGE_ERR_INVALID_ARGUMENT, "workspace is NULL but workspace_bytes is %zu, expected a pointer",
@@ -348,9 +354,54 @@ sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t 
     return fail(SPARGE_ERR_INVALID_ARGUMENT, "workspace is not %zu-byte aligned, expected a %zu-byte aligned pointer",
                 align, align);
   // Host memory that happens to be 256-byte aligned must not reach a kernel.
-  if (need > 0 && plan.prob.device == SPARGE_DEVICE_CUDA)
+  if (need > 0 && plan.prob.device == SPARGE_DEVICE_CUDA && query_pointer)
     SPARGE_TRY(cuda::pointer_on_device(workspace, plan.prob.device_id, "workspace"));
   return SPARGE_OK;
+}
+
+namespace {
+void key_tensor(const sparge_tensor_t* t, AttnCallKey::Tensor* o) {
+  std::memset(o, 0, sizeof *o);
+  if (!t) return;
+  o->data = t->data;
+  o->device_type = raw_enum(t->device_type);
+  o->device_id = t->device_id;
+  o->dtype = raw_enum(t->dtype);
+  o->ndim = t->ndim;
+  const int n = t->ndim < 0 ? 0 : (t->ndim > SPARGE_MAX_DIMS ? SPARGE_MAX_DIMS : t->ndim);
+  for (int d = 0; d < n; ++d) {
+    o->shape[d] = t->shape[d];
+    o->strides[d] = t->strides[d];
+  }
+}
+}  // namespace
+
+void attention_call_key(const sparge_tensor_t* q, const sparge_tensor_t* k, const sparge_tensor_t* v,
+                        const sparge_tensor_t* mask, const sparge_predict_params_t* params,
+                        const sparge_tensor_t* out, const sparge_tensor_t* lse, const void* workspace,
+                        AttnCallKey* key) {
+  static_assert(sizeof(AttnCallKey::Tensor) == 88 && sizeof(AttnCallKey) == 6 * 88 + 5 * 8,
+                "the call key is plain bytes without padding");
+  key_tensor(q, &key->q);
+  key_tensor(k, &key->k);
+  key_tensor(v, &key->v);
+  key_tensor(out, &key->out);
+  key_tensor(mask, &key->mask);
+  key_tensor(lse, &key->lse);
+  key->workspace = workspace;
+  // The per-head arrays lie in the 0.1 layout; a shorter struct fails read_params.
+  const bool heads = params && params->struct_size >= offsetof(sparge_predict_params_t, local_window);
+  key->per_head[0] = heads ? params->topk_per_head : nullptr;
+  key->per_head[1] = heads ? params->cdf_threshold_per_head : nullptr;
+  key->per_head[2] = heads ? params->sim_threshold_per_head : nullptr;
+  // FNV-1a over the 64-bit words before `hash`.
+  uint64_t h = 1469598103934665603ull, w = 0;
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(key);
+  for (size_t i = 0; i < offsetof(AttnCallKey, hash); i += 8) {
+    std::memcpy(&w, b + i, 8);
+    h = (h ^ w) * 1099511628211ull;
+  }
+  key->hash = h;
 }
 
 }  // namespace api

@@ -41,8 +41,11 @@ struct TensorSpec {
   bool unit_last;            // the last dimension must have stride 1
 };
 
-// Validates one tensor against the plan and `spec`.
-sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const TensorSpec& spec);
+// Validates one tensor against the plan and `spec`. query_pointer = false
+// skips the driver query of where t->data lives (CUDA plans; see
+// cuda::call_known): every other check runs.
+sparge_status_t check_tensor(const Plan& plan, const sparge_tensor_t* t, const TensorSpec& spec,
+                             bool query_pointer = true);
 
 TensorSpec spec_q(const Plan& plan, const char* name);    // [B, Hq, Lq, D], plan dtype
 TensorSpec spec_kv(const Plan& plan, const char* name);   // [B, Hkv, Lkv, D], plan dtype
@@ -56,9 +59,20 @@ LseView to_lse(const sparge_tensor_t& t);
 KeptView to_kept(const sparge_tensor_t& t);
 
 // params == NULL gives the defaults of SPARGE_PREDICT_PARAMS_INIT.
-sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* params, PredictConfig* cfg);
+// query_pointers as in check_tensor (the per-head arrays).
+sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* params, PredictConfig* cfg,
+                            bool query_pointers = true);
 
-sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t workspace_bytes);
+sparge_status_t check_workspace(const Plan& plan, const void* workspace, size_t workspace_bytes,
+                                bool query_pointer = true);
+
+// The key of a sparge_attention_run call on a CUDA plan (core/backend.hpp),
+// from the caller's descriptors as given (any of them may be NULL or invalid:
+// the key only has to be equal for equal arguments).
+void attention_call_key(const sparge_tensor_t* q, const sparge_tensor_t* k, const sparge_tensor_t* v,
+                        const sparge_tensor_t* mask, const sparge_predict_params_t* params,
+                        const sparge_tensor_t* out, const sparge_tensor_t* lse, const void* workspace,
+                        AttnCallKey* key);
 
 // Memory overlap, after every argument has been validated: an output whose
 // strides alias its own elements, an output whose byte range [first, last]

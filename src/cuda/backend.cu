@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "core/backend.hpp"
@@ -18,6 +20,27 @@
 
 namespace sparge {
 namespace cuda {
+
+// The setups of a plan's recent attention calls, keyed by every argument the
+// setup and the pointer checks depend on (core/backend.hpp, AttnCallKey). A
+// fixed array allocated with the plan; least recently used entry replaced.
+// One mutex per plan: a lookup is a scan of hashes and a copy of one blob.
+struct CallCache {
+  static constexpr int kCapacity = 32;
+  struct Entry {
+    AttnCallKey key;
+    LaunchBlob blob;
+    const KernelEntry* kernel;
+    uint64_t used;  // clock of the last use
+  };
+  std::mutex mu;
+  uint64_t clock = 0;
+  int count = 0;
+  Entry entries[kCapacity];
+};
+
+CallCache* create_call_cache() { return new CallCache; }
+void destroy_call_cache(CallCache* c) { delete c; }
 
 sparge_status_t cuda_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return SPARGE_OK;
@@ -89,9 +112,64 @@ sparge_status_t setup_attention(const Plan& plan, const AttnArgs& a, LaunchBlob*
   return SPARGE_OK;
 }
 
+// SPARGE_CHECK_POINTERS=1 (read once): query where every pointer lives on
+// every call, also for arguments the plan has seen before.
+bool check_pointers_always() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPARGE_CHECK_POINTERS");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return on;
+}
+
+bool same_key(const AttnCallKey& a, const AttnCallKey& b) {
+  return a.hash == b.hash && std::memcmp(&a, &b, sizeof a) == 0;
+}
+
+// Copies the cached setup of `key` into blob / kernel (when non-NULL); false
+// when the plan has none.
+bool cache_find(const Plan& plan, const AttnCallKey& key, LaunchBlob* blob, const KernelEntry** kernel) {
+  CallCache* c = plan.call_cache;
+  if (c == nullptr) return false;
+  std::lock_guard<std::mutex> lock(c->mu);
+  for (int i = 0; i < c->count; ++i) {
+    CallCache::Entry& e = c->entries[i];
+    if (!same_key(e.key, key)) continue;
+    if (blob) *blob = e.blob;
+    if (kernel) *kernel = e.kernel;
+    e.used = ++c->clock;
+    return true;
+  }
+  return false;
+}
+
+void cache_store(const Plan& plan, const AttnCallKey& key, const LaunchBlob& blob, const KernelEntry* kernel) {
+  CallCache* c = plan.call_cache;
+  if (c == nullptr) return;
+  std::lock_guard<std::mutex> lock(c->mu);
+  CallCache::Entry* slot = nullptr;
+  for (int i = 0; i < c->count && slot == nullptr; ++i)
+    if (same_key(c->entries[i].key, key)) slot = &c->entries[i];  // stored meanwhile by another thread
+  if (slot == nullptr && c->count < CallCache::kCapacity) slot = &c->entries[c->count++];
+  if (slot == nullptr) {
+    slot = &c->entries[0];
+    for (int i = 1; i < c->count; ++i)
+      if (c->entries[i].used < slot->used) slot = &c->entries[i];
+  }
+  slot->key = key;
+  slot->blob = blob;
+  slot->kernel = kernel;
+  slot->used = ++c->clock;
+}
+
 }  // namespace
 
 bool built() { return true; }
+
+bool call_known(const Plan& plan, const AttnCallKey& key) {
+  if (check_pointers_always()) return false;
+  return cache_find(plan, key, nullptr, nullptr);
+}
 
 bool pdl_enabled() { return dev_switches().pdl; }
 
@@ -184,7 +262,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
 
 sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v,
                           const MaskView* mask, const PredictConfig& cfg, const Tensor4& out, const LseView* lse,
-                          void* workspace, void* stream) {
+                          void* workspace, void* stream, const AttnCallKey* key) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   DeviceGuard guard;
@@ -218,10 +296,14 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   a.out = out;
   if (lse) a.lse = *lse;
   // Every check of the attention kernel and its tensor maps, before anything
-  // is queued.
+  // is queued; a call with the arguments of an earlier one takes that call's
+  // setup from the plan's cache (the setup is a function of the key alone).
   LaunchBlob blob;
   const KernelEntry* entry = nullptr;
-  SPARGE_TRY(setup_attention(plan, a, &blob, &entry));
+  if (key == nullptr || !cache_find(plan, *key, &blob, &entry)) {
+    SPARGE_TRY(setup_attention(plan, a, &blob, &entry));
+    if (key != nullptr) cache_store(plan, *key, blob, entry);
+  }
 
   if (int8)
     SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,

@@ -13,10 +13,17 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+#include <mutex>
 #include <utility>
+
+#include "sparge/sparge.h"
 
 namespace sparge {
 namespace cuda {
+
+sparge_status_t cuda_status(cudaError_t e, const char* what);  // cuda/backend.cu
 
 // First statement of every kernel launched through launch_pdl.
 __device__ __forceinline__ void pdl_grid_sync() {
@@ -43,6 +50,87 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// ---------------------------------------------------------------- dynamic shared memory
+// cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes) once per
+// kernel and device instead of before every launch: a process-wide table
+// records the largest size set for each (kernel, device); a launch that needs
+// no more than that costs two atomic loads. Sizes up to 48 KB need no
+// attribute. The attribute only grows (a kernel launched with several sizes
+// keeps the largest). Thread-safe: a size is recorded only after the driver
+// accepted it, and setting happens under one lock. The attribute belongs to
+// the device's primary context: a process that calls cudaDeviceReset must not
+// launch through this helper afterwards (nor use plans made before it).
+namespace smem_attr_detail {
+constexpr int kSlots = 128;   // kernels (power of two); beyond: set on every launch
+constexpr int kDevices = 32;  // device ordinals recorded; beyond: set on every launch
+struct Slot {
+  std::atomic<const void*> kernel;
+  std::atomic<int> bytes[kDevices];  // largest size set on each device (0: none)
+};
+inline Slot* slots() {
+  static Slot table[kSlots];  // zero-initialized (static storage, trivial atomics)
+  return table;
+}
+inline std::mutex& lock() {
+  static std::mutex m;
+  return m;
+}
+inline unsigned home(const void* kernel) {
+  return unsigned((uint64_t(reinterpret_cast<uintptr_t>(kernel)) * 0x9E3779B97F4A7C15ull) >> 57) & (kSlots - 1);
+}
+inline sparge_status_t set(const void* kernel, int bytes) {
+  return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                     "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+}
+inline sparge_status_t slow(const void* kernel, int bytes, int device) {
+  std::lock_guard<std::mutex> guard(lock());
+  Slot* t = slots();
+  Slot* slot = nullptr;
+  for (unsigned i = 0, h = home(kernel); i < unsigned(kSlots) && slot == nullptr; ++i) {
+    Slot& s = t[(h + i) & (kSlots - 1)];
+    const void* k = s.kernel.load(std::memory_order_relaxed);
+    if (k == kernel) slot = &s;
+    if (k == nullptr) {
+      s.kernel.store(kernel, std::memory_order_release);
+      slot = &s;
+    }
+  }
+  if (slot == nullptr) return set(kernel, bytes);  // table full
+  if (slot->bytes[device].load(std::memory_order_relaxed) >= bytes) return SPARGE_OK;
+  const sparge_status_t st = set(kernel, bytes);
+  if (st == SPARGE_OK) slot->bytes[device].store(bytes, std::memory_order_release);
+  return st;
+}
+}  // namespace smem_attr_detail
+
+// `device` must be the current device.
+inline sparge_status_t ensure_smem_attr(const void* kernel, int bytes, int device) {
+  namespace d = smem_attr_detail;
+  if (bytes <= 48 * 1024) return SPARGE_OK;
+  if (device < 0 || device >= d::kDevices) return d::set(kernel, bytes);
+  const d::Slot* t = d::slots();
+  for (unsigned i = 0, h = d::home(kernel); i < unsigned(d::kSlots); ++i) {
+    const d::Slot& s = t[(h + i) & (d::kSlots - 1)];
+    const void* k = s.kernel.load(std::memory_order_acquire);
+    if (k == kernel) {
+      if (s.bytes[device].load(std::memory_order_acquire) >= bytes) return SPARGE_OK;
+      break;
+    }
+    if (k == nullptr) break;
+  }
+  return d::slow(kernel, bytes, device);
+}
+
+// On the current device (one cudaGetDevice: a read of the runtime's
+// thread-local state, no driver call).
+inline sparge_status_t ensure_smem_attr(const void* kernel, int bytes) {
+  if (bytes <= 48 * 1024) return SPARGE_OK;
+  int device = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_status(e, "cudaGetDevice");
+  return ensure_smem_attr(kernel, bytes, device);
 }
 
 }  // namespace cuda

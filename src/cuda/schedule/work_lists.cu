@@ -145,8 +145,9 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
 
   const int nbins = int(p.nKB + 1);
   const size_t smem = size_t(nbins) * sizeof(int);
-  if (smem > 48 * 1024)
-    SPARGE_CUDA_TRY(cudaFuncSetAttribute(order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  // Once per kernel, size and device (cuda/common/launch.cuh; nothing up to 48 KB); the
+  // backend made the plan's device current.
+  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&order_kernel), int(smem), p.device_id));
   const int64_t groups = p.B * p.Hkv, group_rows = p.group() * p.nQB;
   SPARGE_PDL_CHECK(launch_pdl(order_kernel, dim3(unsigned(groups)), dim3(kOrderThreads), smem, stream,
                               static_cast<const int32_t*>(la.cnt), group_rows, nbins, ws_ptr<int32_t>(base, L.order)),

@@ -126,7 +126,8 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   if (ML::kTmaStore && tma_store_from_env() &&
       make_map_bhld16(enc, &m.o, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
     p.tma_store = 1;
-  SPARGE_CUDA_TRY(cudaFuncSetAttribute(attn_sm90_kernel<ML>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc));
+  // Once per kernel and device (cuda/common/launch.cuh); setup runs on the plan's device.
+  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&attn_sm90_kernel<ML>), int(L::kAlloc), pb.device_id));
   return SPARGE_OK;
 }
 
