@@ -36,10 +36,16 @@ def _is_torch(x: Any) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
-def _ops() -> Any:
-    from . import _torch_ops
+_OPS: Any = None
 
-    return _torch_ops
+
+def _ops() -> Any:
+    global _OPS
+    if _OPS is None:
+        from . import _torch_ops
+
+        _OPS = _torch_ops
+    return _OPS
 
 
 # ------------------------------------------------------------------ visibility (docs/SEMANTICS.md)
@@ -122,6 +128,38 @@ def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: 
     opts = core.Options(lay, bool(is_causal), sc, md, topk_s, cdf_s, sim_s, bool(smooth_k),
                         sink, window, est, prec, bq, bk)
     return _Resolved(opts, topk_h, cdf_h, sim_h)
+
+
+# Resolved options of earlier calls whose option values were all plain scalars (exact types float,
+# int, bool, str or None, block_size a tuple of ints): the key holds each value with its type, so
+# 1, 1.0 and True stay apart and a value that failed validation is never stored. Per-head
+# sequences and tensors are never cached (a tensor can change in place).
+_RESOLVED: dict = {}
+_PLAIN = frozenset((float, int, bool, str, type(None)))
+
+
+def _resolve_cached(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
+                    sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any,
+                    estimator: Any, precision: Any, block_size: Any) -> _Resolved:
+    vals = (topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
+            local_window, estimator, precision)
+    key = None
+    if type(block_size) is tuple and len(block_size) == 2:
+        types = tuple(map(type, vals)) + tuple(map(type, block_size))
+        if _PLAIN.issuperset(types):
+            key = vals + block_size + types
+            r = _RESOLVED.get(key)
+            if r is not None:
+                return r
+    r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
+                 cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
+                 attention_sink=attention_sink, local_window=local_window, estimator=estimator,
+                 precision=precision, block_size=block_size)
+    if key is not None:
+        if len(_RESOLVED) > 256:
+            _RESOLVED.clear()
+        _RESOLVED[key] = r
+    return r
 
 
 def _split_torch_heads(r: _Resolved) -> Tuple[Any, ...]:
@@ -261,10 +299,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
     Raises:
         InvalidArgumentError, UnsupportedError, NoDeviceError, CudaError, ... (SpargeError).
     """
-    r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
-                 cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
-                 attention_sink=attention_sink, local_window=local_window, estimator=estimator,
-                 precision=precision, block_size=block_size)
+    r = _resolve_cached(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
+                        attention_sink, local_window, estimator, precision, block_size)
     return _attention(q, k, v, r, mask, out, return_sparsity, return_lse, stream)
 
 

@@ -145,15 +145,18 @@ def _torch_dtype_code(torch: Any, dt: Any) -> Optional[int]:
 
 
 def torch_view(t: Any) -> View:
-    dev = t.device
-    if dev.type == "cuda":
-        dtype_dev, did = C.DEVICE_CUDA, dev.index
-    elif dev.type == "cpu":
-        dtype_dev, did = C.DEVICE_CPU, 0
+    # t.is_cuda and t.get_device() are plain attribute reads; t.device builds a torch.device object.
+    if t.is_cuda:
+        dtype_dev, did = C.DEVICE_CUDA, t.get_device()
     else:
-        raise C.UnsupportedError("tensors on device %r are not supported (cpu or cuda only)" % str(dev))
-    return View(t.data_ptr(), dtype_dev, did, _torch_dtype_code(torch_module(), t.dtype), tuple(t.shape),
-                t.stride(), t, "torch", src_dtype=t.dtype)
+        dev = t.device
+        if dev.type != "cpu":
+            raise C.UnsupportedError("tensors on device %r are not supported (cpu or cuda only)" % str(dev))
+        dtype_dev, did = C.DEVICE_CPU, 0
+    dt = t.dtype
+    codes = _TORCH_DTYPES
+    code = codes.get(dt) if codes is not None else _torch_dtype_code(torch_module(), dt)
+    return View(t.data_ptr(), dtype_dev, did, code, tuple(t.shape), t.stride(), t, "torch", src_dtype=dt)
 
 
 # ------------------------------------------------------------------ DLPack
@@ -452,13 +455,16 @@ class _StreamBuffers:
 
     def get(self, key: Tuple[int, int], need: int, size_of: Any, make: Any) -> Any:
         with self._lock:
-            buf = self._d.get(key)
-            if buf is None or size_of(buf) < need:
-                buf = make(need)
-                self._d[key] = buf
-            self._d.move_to_end(key)
-            while len(self._d) > self.capacity:
-                self._d.popitem(last=False)
+            d = self._d
+            buf = d.get(key)
+            if buf is not None and size_of(buf) >= need:
+                d.move_to_end(key)
+                return buf
+            buf = make(need)
+            d[key] = buf
+            d.move_to_end(key)
+            while len(d) > self.capacity:
+                d.popitem(last=False)
             return buf
 
     def clear(self) -> None:
@@ -503,6 +509,10 @@ class NumpyAllocator:
         return a.__array_interface__["data"][0], a
 
 
+def _numel(b: Any) -> int:
+    return b.numel()
+
+
 class TorchAllocator:
     """Outputs and workspaces from torch's allocator, on the inputs' device."""
 
@@ -521,30 +531,36 @@ class TorchAllocator:
         torch = torch_module()
         return torch.device("cpu") if like.device_type == C.DEVICE_CPU else torch.device("cuda", like.device_id)
 
+    @classmethod
+    def _device_of(cls, like: View) -> Any:
+        return like.keep.device if is_torch_tensor(like.keep) else cls._device(like)
+
     def empty(self, shape: Sequence[int], dtype: str, like: View) -> Tuple[Any, View]:
         torch = torch_module()
-        dev = like.keep.device if is_torch_tensor(like.keep) else self._device(like)
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+        if is_torch_tensor(like.keep):
+            # Same as torch.empty on like's device (contiguous, no grad), without building a device.
+            t = like.keep.new_empty(shape, dtype=getattr(torch, dtype))
+        else:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self._device(like))
         return t, torch_view(t)
 
     def workspace(self, nbytes: int, like: View, stream: int) -> Tuple[int, Any]:
         if nbytes == 0:
             return 0, None
         torch = torch_module()
-        device = like.keep.device if is_torch_tensor(like.keep) else self._device(like)
         need = nbytes + _ALIGN
         if like.device_type == C.DEVICE_CPU:
-            buf = self._host.get(need, lambda b: b.numel(), lambda n: torch.empty(n, dtype=torch.uint8))
+            buf = self._host.get(need, _numel, lambda n: torch.empty(n, dtype=torch.uint8))
         elif torch.cuda.is_current_stream_capturing():
             # Inside a CUDA graph capture: a fresh buffer from the graph's private pool,
             # owned by the graph for its lifetime.
-            buf = torch.empty(need, dtype=torch.uint8, device=device)
+            buf = torch.empty(need, dtype=torch.uint8, device=self._device_of(like))
         else:
             # Reused per (device, stream): work on one stream is ordered, so a buffer is free
             # for the next call on the same stream once this one is enqueued. Allocated on
             # that stream (the current one), so evicting it is stream-safe.
-            buf = self._ws.get((like.device_id, int(stream)), need, lambda b: b.numel(),
-                               lambda n: torch.empty(n, dtype=torch.uint8, device=device))
+            buf = self._ws.get((like.device_id, int(stream)), need, _numel,
+                               lambda n: torch.empty(n, dtype=torch.uint8, device=self._device_of(like)))
         base = buf.data_ptr()
         return (base + _ALIGN - 1) // _ALIGN * _ALIGN, buf
 

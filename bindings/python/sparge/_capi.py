@@ -427,7 +427,18 @@ class _Lib:
     def __getattr__(self, name: str):  # noqa: D105 - forwards to the CDLL
         if not name.startswith("sparge_"):
             raise AttributeError(name)
-        return getattr(self.load(), name)
+        fn = getattr(self.load(), name)
+        self.__dict__[name] = fn  # later look-ups are plain attribute hits (no __getattr__)
+        return fn
+
+    def raw(self, name: str, argtypes: list, restype: object = ctypes.c_int) -> object:
+        """A separate function object of ``name`` with its own ``argtypes`` (the calls of the hot
+        path pass descriptor addresses as integers); the one that ``lib.name`` gives keeps the
+        header's prototype."""
+        fn = self.load()[name]
+        fn.restype = restype
+        fn.argtypes = argtypes
+        return fn
 
     @property
     def path(self) -> str:

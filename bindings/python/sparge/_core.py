@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import math
+import struct
 import threading
 import weakref
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
@@ -421,6 +422,67 @@ def predict(alloc: Any, q: View, k: View, s: Shapes, opts: Options, stream: int,
     return mask, kept, plan
 
 
+# sparge_tensor_t as packed bytes (void* data; int device_type, device_id, dtype, ndim; int64 shape[4],
+# strides[4]: 88 bytes, no padding), so that a call builds one buffer for all its descriptors instead of
+# a ctypes struct and two arrays per tensor. Checked against the ctypes mirror at import.
+_DESC_FMT = "Qiiii4q4q"
+_DESC_SIZE = struct.calcsize("=" + _DESC_FMT)
+assert _DESC_SIZE == ctypes.sizeof(C.SpargeTensor)
+_DESC_PACK = {n: struct.Struct("=" + _DESC_FMT * n).pack for n in range(1, 7)}
+_PAD = (0, 0, 0, 0)
+
+
+def _desc_fields(v: View, perm: Optional[Sequence[int]]) -> tuple:
+    """The descriptor fields of ``v`` (dims reordered by ``perm``), in _DESC_FMT order."""
+    shape, strides = v.shape, v.strides
+    n = len(shape)
+    if n > C.MAX_DIMS:
+        raise C.InvalidArgumentError("tensor has %d dims; at most %d supported" % (n, C.MAX_DIMS))
+    if perm is not None:
+        a, b, c, d = perm
+        shape = (shape[a], shape[b], shape[c], shape[d])
+        strides = (strides[a], strides[b], strides[c], strides[d])
+    elif n != 4:
+        pad = _PAD[n:]
+        shape = tuple(shape) + pad
+        strides = tuple(strides) + pad
+    return (v.ptr, v.device_type, v.device_id, v.dtype if v.dtype is not None else -1, n) + tuple(shape) + \
+        tuple(strides)
+
+
+def _descriptors(items: Sequence[Tuple[Optional[View], Optional[Sequence[int]]]]) -> Tuple[Any, list]:
+    """(buffer, addresses): the descriptors of ``items`` ((view, perm) or (None, _)) in one buffer,
+    with the address of each (None for an absent tensor). The buffer must outlive the call."""
+    fields: tuple = ()
+    n = 0
+    for v, perm in items:
+        if v is not None:
+            fields += _desc_fields(v, perm)
+            n += 1
+    buf = ctypes.create_string_buffer(_DESC_PACK[n](*fields), n * _DESC_SIZE)
+    addr = ctypes.addressof(buf)
+    addrs: list = []
+    for v, _ in items:
+        if v is None:
+            addrs.append(None)
+        else:
+            addrs.append(addr)
+            addr += _DESC_SIZE
+    return buf, addrs
+
+
+_RUN_FN: Any = None
+
+
+def _run_fn() -> Any:
+    """sparge_attention_run taking the descriptors' and params' addresses as integers."""
+    global _RUN_FN
+    if _RUN_FN is None:
+        vp = ctypes.c_void_p
+        _RUN_FN = C.lib.raw("sparge_attention_run", [vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.c_size_t, vp])
+    return _RUN_FN
+
+
 def attention(alloc: Any, q: View, k: View, v: View, s: Shapes, opts: Options, stream: int,
               mask: Optional[View] = None, topk_h: Any = None, cdf_h: Any = None, sim_h: Any = None,
               want_lse: bool = False, want_kept: bool = False, plan: Optional[Plan] = None,
@@ -452,13 +514,12 @@ def attention(alloc: Any, q: View, k: View, v: View, s: Shapes, opts: Options, s
     params, keep = _params(opts, alloc, q, s.Hq, topk_h, cdf_h, sim_h)
     ws, ws_bytes, ws_obj = _workspace(alloc, plan, q, stream, workspace)
     perm = PERM[opts.layout]
-    qd, kd, vd, od = q.descriptor(perm), k.descriptor(perm), v.descriptor(perm), ov.descriptor(perm)
-    md = mask.descriptor() if mask is not None else None
-    ld = lv.descriptor() if lv is not None else None
-    st = C.lib.sparge_attention_run(plan.handle, ctypes.byref(qd), ctypes.byref(kd), ctypes.byref(vd),
-                                    ctypes.byref(md) if md is not None else None, ctypes.byref(params),
-                                    ctypes.byref(od), ctypes.byref(ld) if ld is not None else None,
-                                    ws, ws_bytes, stream or None)
-    del keep, ws_obj, mask_keep
+    if perm == (0, 1, 2, 3):
+        perm = None
+    buf, (qa, ka, va, ma, oa, la) = _descriptors(((q, perm), (k, perm), (v, perm), (mask, None), (ov, perm),
+                                                  (lv, None)))
+    st = _run_fn()(plan.handle, qa, ka, va, ma, ctypes.addressof(params), oa, la, ws or None, ws_bytes,
+                   stream or None)
+    del keep, ws_obj, mask_keep, buf
     C.check(st, "sparge_attention_run")
     return out, lse, kept, plan

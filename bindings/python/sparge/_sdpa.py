@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _capi as C
-from ._api import PerHead, _attention, _is_torch, _resolve
+from ._api import PerHead, _attention, _is_torch, _resolve_cached
 
 
 def _unsqueeze_heads(x: Any) -> Any:
@@ -81,10 +81,8 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     causal = bool(is_causal)
 
     def resolved(c: bool) -> Any:
-        return _resolve(topk=topk, is_causal=c, scale=scale, layout="HND", mode=mode, cdf_threshold=cdf_threshold,
-                        sim_threshold=sim_threshold, smooth_k=smooth_k, attention_sink=attention_sink,
-                        local_window=local_window, estimator=estimator, precision=precision,
-                        block_size=block_size)
+        return _resolve_cached(topk, c, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
+                               attention_sink, local_window, estimator, precision, block_size)
 
     if not causal or L == S or S == 0:
         res = _attention(q4, k4, v4, resolved(causal and S > 0), None, o4, False, False, stream)

@@ -37,6 +37,17 @@ def _per_head(t: Optional[Tensor], lst: Optional[List[float]]) -> Any:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _current_device() -> int:
+    """torch.cuda.current_device() (which is this call after its lazy-init check; a CUDA tensor
+    exists here, so CUDA is initialized)."""
+    if _get_device is not None:
+        return _get_device()
+    return torch.cuda.current_device()
+
+
 def _current_stream(index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(index)
@@ -47,8 +58,8 @@ def _on_device(q: Tensor, fn: Any) -> Any:
     """Runs fn(stream) with q's CUDA device current (kernels launch on the current device)."""
     if not q.is_cuda:
         return fn(0)
-    index = q.device.index
-    if index == torch.cuda.current_device():
+    index = q.get_device()
+    if index == _current_device():
         return fn(_current_stream(index))
     with torch.cuda.device(index):
         return fn(_current_stream(index))

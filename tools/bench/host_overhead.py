@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Host CPU time of one attention call: Python (eager sparge.attention on torch CUDA tensors) and C
+(sparge_attention_run through ctypes with prebuilt arguments), with the GPU work made negligible
+(an empty mask) or real (an all-ones mask, or the predicted mask of the default call).
+
+For each shape and mask it times batches of calls with time.perf_counter (wall) and
+time.process_time (CPU of the process), synchronizing the device only between batches, and prints
+the median over the batches, in microseconds per call:
+
+  py wall / py cpu   sparge.attention(q, k, v, mask=...) (the eager direct path)
+  C warm             sparge_attention_run, the same arguments every call (the plan's setup cache hits)
+  C miss             sparge_attention_run cycling through more output buffers than the cache holds
+                     (every call runs the pointer queries and the tensor-map setup)
+  ctypes             a call of sparge_has_cuda(): the floor of any ctypes call
+  gpu                device time per call (CUDA events around a batch)
+
+Needs torch with CUDA and a CUDA build of libsparge (SPARGE_LIBRARY, or the installed package);
+runs offline. Example:
+
+  SPARGE_LIBRARY=build/libsparge.so PYTHONPATH=bindings/python python3 tools/bench/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+
+SHAPES = {"1x32x1Kx128": (1, 32, 1024, 128), "8x32x2Kx128": (8, 32, 2048, 128), "64x12x1Kx64": (64, 12, 1024, 64)}
+
+
+def batches(fn, calls: int, repeats: int, sync) -> tuple:
+    """Median (wall, cpu) seconds per call of fn() over `repeats` batches of `calls` calls."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        sync()
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(calls):
+            fn()
+        w1, c1 = time.perf_counter(), time.process_time()
+        sync()
+        walls.append((w1 - w0) / calls)
+        cpus.append((c1 - c0) / calls)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def gpu_per_call(torch, fn, calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e-3 / calls
+
+
+class CCall:
+    """sparge_attention_run with every argument built once (HND, bf16, a caller's mask or none)."""
+
+    def __init__(self, torch, sparge_core, C, q, k, v, mask, precision: int, n_out: int) -> None:
+        from sparge._arrays import torch_view
+
+        B, H, L, D = q.shape
+        s = sparge_core.Shapes(B, H, H, L, L, D)
+        qv = torch_view(q)
+        opts = sparge_core.Options(0, False, 0.0, C.SELECT_TOPK, 0.5, 0.9, -0.1, True, -1, -1, 0, precision, 0, 0)
+        self.plan = sparge_core.get_plan(s, qv, opts)
+        self.C = C
+        self.ws = torch.empty(self.plan.workspace_bytes + 256, dtype=torch.uint8, device=q.device)
+        base = self.ws.data_ptr()
+        self.ws_ptr = ctypes.c_void_p((base + 255) // 256 * 256)
+        self.keep = [q, k, v, mask]
+        self.qd, self.kd, self.vd = (torch_view(t).descriptor() for t in (q, k, v))
+        self.md = torch_view(mask).descriptor() if mask is not None else None
+        self.outs = [torch.empty_like(q) for _ in range(n_out)]
+        self.ods = [torch_view(o).descriptor() for o in self.outs]
+        self.params = sparge_core._make_params(opts, (None, None, None))
+        self.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream or None)
+        self.fn = C.lib.sparge_attention_run
+        self.i = 0
+        self.mref = ctypes.byref(self.md) if self.md is not None else None
+        self.refs = (ctypes.byref(self.qd), ctypes.byref(self.kd), ctypes.byref(self.vd))
+        self.prm = ctypes.byref(self.params)
+        self.orefs = [ctypes.byref(o) for o in self.ods]
+
+    def __call__(self) -> None:
+        o = self.orefs[self.i]
+        self.i = (self.i + 1) % len(self.orefs)
+        st = self.fn(self.plan.handle, self.refs[0], self.refs[1], self.refs[2], self.mref, self.prm, o, None,
+                     self.ws_ptr, self.plan.workspace_bytes, self.stream)
+        if st != 0:
+            self.C.check(st, "sparge_attention_run")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
+    ap.add_argument("--masks", default="empty,dense,predicted", help="comma-separated: empty, dense, predicted")
+    ap.add_argument("--precision", default="int8_fp8", help="int8_fp8 (the default), int8_fp16, fp16, ...")
+    ap.add_argument("--calls", type=int, default=200, help="calls per batch with an empty mask (others: 16)")
+    ap.add_argument("--repeats", type=int, default=7, help="batches; the median is printed")
+    ap.add_argument("--warmup", type=int, default=20)
+    args = ap.parse_args()
+
+    import torch
+    import sparge
+    from sparge import _capi as C
+    from sparge import _core
+
+    if not torch.cuda.is_available() or not sparge.has_cuda():
+        print("host_overhead: needs a CUDA device and a CUDA build of libsparge", file=sys.stderr)
+        return 2
+    prec = _core.parse_precision(args.precision)
+    sync = torch.cuda.synchronize
+    print("libsparge %s (%s), torch %s, %s, precision %s" % (".".join(map(str, sparge.library_version())),
+          C.library_path(), torch.__version__, torch.cuda.get_device_name(), args.precision))
+    has_cuda = C.lib.sparge_has_cuda
+    _, ct = batches(has_cuda, 2000, args.repeats, lambda: None)
+    print("ctypes floor (sparge_has_cuda): %.2f us cpu" % (ct * 1e6))
+    hdr = ("shape", "mask", "py wall", "py cpu", "C warm", "C miss", "gpu")
+    print("%-12s %-9s %9s %9s %9s %9s %10s   (us per call, median of %d batches)" % (hdr + (args.repeats,)))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in args.shapes.split(","):
+        B, H, L, D = SHAPES[name]
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        nqb, nkb = -(-L // 128), -(-L // 64)
+        for mname in args.masks.split(","):
+            if mname == "empty":
+                mask = torch.zeros(B, H, nqb, nkb, dtype=torch.uint8, device="cuda")
+            elif mname == "dense":
+                mask = torch.ones(B, H, nqb, nkb, dtype=torch.uint8, device="cuda")
+            elif mname == "predicted":
+                mask = None
+            else:
+                raise SystemExit("unknown mask %r" % mname)
+            calls = args.calls if mname == "empty" else 16  # real GPU work: keep the launch queue short
+
+            def py() -> None:
+                sparge.attention(q, k, v, mask=mask, precision=args.precision)
+
+            for _ in range(args.warmup):
+                py()
+            sync()
+            pw, pc = batches(py, calls, args.repeats, sync)
+            gpu = gpu_per_call(torch, py, calls)
+            c_warm = c_miss = float("nan")
+            if mask is not None:
+                warm = CCall(torch, _core, C, q, k, v, mask, prec, 1)
+                miss = CCall(torch, _core, C, q, k, v, mask, prec, 40)  # > the plan cache's 32 entries
+                for fn in (warm, miss):
+                    for _ in range(args.warmup):
+                        fn()
+                sync()
+                _, c_warm = batches(warm, calls, args.repeats, sync)
+                _, c_miss = batches(miss, calls, args.repeats, sync)
+                del warm, miss
+            print("%-12s %-9s %9.1f %9.1f %9.1f %9.1f %10.1f" % (name, mname, pw * 1e6, pc * 1e6, c_warm * 1e6,
+                                                              c_miss * 1e6, gpu * 1e6))
+            del mask
+        del q, k, v
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
