@@ -203,12 +203,13 @@ struct Pattern {
 // GPU result with the non-finite value vs the CPU backend's with it (the
 // non-finite pattern must agree element by element) and vs the GPU result
 // without it (every finite element of the CPU pattern must be bit-identical).
-Pattern compare_policy(const AttnResult& gpu, const AttnResult& gpu_clean, const AttnResult& cpu) {
+Pattern compare_policy(const AttnResult& gpu, const AttnResult& gpu_clean, const AttnResult& cpu,
+                       bool finiteness_only = false) {
   Pattern p;
   for (size_t e = 0; e < gpu.out.size(); ++e) {
     const bool cf = std::isfinite(cpu.out[e]), gf = std::isfinite(gpu.out[e]);
     const bool cn = std::isnan(cpu.out[e]), gn = std::isnan(gpu.out[e]);
-    if (cf != gf || cn != gn) ++p.out_mismatch;
+    if (cf != gf || (!finiteness_only && cn != gn)) ++p.out_mismatch;
     if (cf && gpu.bits[e] != gpu_clean.bits[e]) ++p.changed;
     p.poisoned += !cf;
   }
@@ -235,6 +236,9 @@ TEST_CASE("hardening: the NaN/Inf policy on every GPU precision matches the CPU 
       const Inputs clean = make_inputs(s, Layout::HND, SPARGE_DTYPE_BFLOAT16, false, case_seed("hnan"));
       std::vector<uint8_t> mask = random_mask(s, 0.6, case_seed("hnan-mask"));
       mask[size_t(0 * s.nQB() * s.nKB() + 0 * s.nKB() + 1)] = 1;  // key block 1 used by head 0, block 0
+      // Key block 0 (visible to every row) in every row of blocks: every row
+      // uses a key, so a poked q row always has an output to poison.
+      for (int64_t r = 0; r < s.Hq * s.nQB(); ++r) mask[size_t(r * s.nKB())] = 1;
       const DeviceInputs dclean(clean);
       Stream stream;
       const AttnResult g0 = gpu_attention(clean, dclean, prec, &mask, nullptr, true, stream.get());
@@ -258,7 +262,10 @@ TEST_CASE("hardening: the NaN/Inf policy on every GPU precision matches the CPU 
         const AttnResult c = cpu_attention(in, prec, &mask, nullptr, true);
         REQUIRE(g.status == SPARGE_OK);
         REQUIRE(c.status == SPARGE_OK);
-        const Pattern p = compare_policy(g, g0, c);
+        // An infinite v gives NaN or +-Inf (docs/SEMANTICS.md): which one
+        // depends on whether a weight underflowed to 0, so only finiteness
+        // must agree there.
+        const Pattern p = compare_policy(g, g0, c, pk.tensor == 'v' && std::isinf(pk.x));
         CHECK(p.poisoned > 0);
         CHECK(p.out_mismatch == 0);
         CHECK(p.changed == 0);

@@ -376,7 +376,7 @@ template <class T, int D, bool kCausal>
 sparge_status_t launch(const Params& p, int64_t grid, cudaStream_t stream) {
   auto* kern = attn_fp16_kernel<T, D, kCausal>;
   constexpr int smem = smem_bytes<D>();
-  SPARGE_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(kern), smem));
   SPARGE_PDL_CHECK(launch_pdl(kern, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem, stream, p),
                    "attn_fp16_kernel");
   return SPARGE_OK;

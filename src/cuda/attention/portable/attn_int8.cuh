@@ -348,7 +348,7 @@ template <class PV, int Dk, bool kCausal>
 sparge_status_t launch_int8(const Int8Params& p, int64_t grid, cudaStream_t stream) {
   auto* kern = attn_int8_kernel<PV, Dk, kCausal>;
   constexpr int smem = Int8Traits<PV, Dk>::kSmem;
-  SPARGE_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(kern), smem));
   SPARGE_PDL_CHECK(launch_pdl(kern, dim3(static_cast<unsigned>(grid)), dim3(256), smem, stream, p),
                    "attn_int8_kernel");
   return SPARGE_OK;
