@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -942,6 +943,23 @@ bool names_word(const std::string& msg, const std::string& name) {
     if (left && right) return true;
   }
   return false;
+}
+
+bool fp16_plans_portable() {
+  static const bool portable = [] {
+    sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+    pr.len_q = pr.len_kv = 256;
+    pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = SPARGE_PRECISION_FP16;
+    sparge_plan_t plan = nullptr;
+    if (sparge_create_plan(&pr, &plan) != SPARGE_OK) return false;
+    sparge_kernel_info_t ki;
+    std::memset(&ki, 0, sizeof ki);
+    ki.struct_size = sizeof ki;
+    const bool ok = sparge_plan_kernel_info(plan, &ki) == SPARGE_OK && std::strcmp(ki.family, "portable") == 0;
+    sparge_destroy_plan(plan);
+    return ok;
+  }();
+  return portable;
 }
 
 }  // namespace sgt

@@ -254,4 +254,9 @@ void print_records();
 // True when `msg` contains `name` as a whole word (not inside a longer identifier).
 bool names_word(const std::string& msg, const std::string& name);
 
+// Whether FP16-mode plans of this build run the portable family on device 0
+// (SPARGE_KERNEL_FAMILY / SPARGE_FP16_KERNEL=portable, or a build without the
+// sm90 family): its FP16 kernel has head dims 64, 96 and 128 only.
+bool fp16_plans_portable();
+
 }  // namespace sgt

@@ -67,13 +67,8 @@ Bars ref_bars(const AttnCase& c, sparge_precision_t prec) {
 bool quantized(sparge_precision_t p) {
   return p == SPARGE_PRECISION_INT8_FP8 || p == SPARGE_PRECISION_INT8_FP8_SPLIT_V || p == SPARGE_PRECISION_INT8_FP16;
 }
-// SPARGE_FP16_KERNEL=portable (FP16 plans) or SPARGE_KERNEL_FAMILY=portable
-// (every plan): FP16 plans run the portable family.
-bool forced_portable_fp16() {
-  const char* e = std::getenv("SPARGE_FP16_KERNEL");
-  const char* f = std::getenv("SPARGE_KERNEL_FAMILY");
-  return (e != nullptr && std::strcmp(e, "portable") == 0) || (f != nullptr && std::strcmp(f, "portable") == 0);
-}
+// FP16 plans run the portable family (forced, or no sm90 family in the build).
+bool forced_portable_fp16() { return fp16_plans_portable(); }
 // The modes with fp8 tensor-core products.
 bool needs_fp8(sparge_precision_t p) { return p == SPARGE_PRECISION_INT8_FP8 || p == SPARGE_PRECISION_INT8_FP8_SPLIT_V; }
 const std::vector<sparge_precision_t> kGpuPrecisions = {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_INT8_FP8_SPLIT_V,

@@ -291,7 +291,8 @@ TEST_CASE("CUDA plan: the chosen kernel is reported", "[gpu][errors][registry][s
   const char* family_env = std::getenv("SPARGE_KERNEL_FAMILY");
   // SPARGE_KERNEL_FAMILY=portable: every plan takes the portable family.
   const bool portable_all = family_env != nullptr && std::string(family_env) == "portable";
-  const bool portable_fp16 = portable_all || (forced != nullptr && std::string(forced) == "portable");
+  const bool portable_fp16 =
+      portable_all || (forced != nullptr && std::string(forced) == "portable") || fp16_plans_portable();
   for (const Want& w : wants) {
     for (int causal : {0, 1}) {
       INFO(precision_name(w.prec) << " D " << w.D << " causal " << causal);

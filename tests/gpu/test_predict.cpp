@@ -252,8 +252,7 @@ void run_predict_attention(const PredCase& c) {
   const sparge_precision_t int8 = c.s.D == 256 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_INT8_FP8;
   for (sparge_precision_t prec : {int8, SPARGE_PRECISION_FP16}) {
     if (prec == SPARGE_PRECISION_INT8_FP8 && prop.major * 10 + prop.minor < 89) continue;
-    const char* fam = std::getenv("SPARGE_KERNEL_FAMILY");
-    if (prec == SPARGE_PRECISION_FP16 && c.s.D == 256 && fam != nullptr && std::strcmp(fam, "portable") == 0)
+    if (prec == SPARGE_PRECISION_FP16 && c.s.D == 256 && fp16_plans_portable())
       continue;  // the portable FP16-mode kernel has head dims 64, 96 and 128 (test_errors.cpp)
     const std::string label = std::string(c.name) + " " + precision_name(prec) + " predicted";
     INFO(label << " [" << c.s.str() << "]");
