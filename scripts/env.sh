@@ -44,9 +44,24 @@ record() {
 }
 section() { printf '\n==== %s\n' "$*"; }
 
+# GPU architectures of the scripts' builds (CMake's own default is every
+# supported one, see docs/BUILDING.md): SPARGE_CUDA_ARCHS if set, else this
+# machine's GPU (9.0 -> 90a), else 90a; PTX compute_80 for the rest.
+sparge_cuda_archs() {
+  if [ -n "${SPARGE_CUDA_ARCHS+x}" ]; then echo "$SPARGE_CUDA_ARCHS"; return; fi
+  local cc
+  cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
+  case "$cc" in
+    90) echo "90a" ;;
+    [0-9][0-9] | [0-9][0-9][0-9]) echo "$cc" ;;
+    *) echo "90a" ;;
+  esac
+}
+
 sparge_configure() {
   local gen=()
   if command -v ninja >/dev/null 2>&1; then gen=(-G Ninja); fi
   if [ -f "$BUILD_DIR/CMakeCache.txt" ]; then gen=(); fi  # keep the existing generator
-  cmake -S "$ROOT" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DSPARGE_CUDA="$SPARGE_CUDA" "$@"
+  cmake -S "$ROOT" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DSPARGE_CUDA="$SPARGE_CUDA" \
+    -DSPARGE_CUDA_ARCHS="$(sparge_cuda_archs)" -DSPARGE_CUDA_PTX="${SPARGE_CUDA_PTX-80}" "$@"
 }
