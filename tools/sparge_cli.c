@@ -1074,6 +1074,19 @@ int main(int argc, char** argv) {
   say("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
   say("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));
+  {
+    sparge_kernel_info_t ki;
+    memset(&ki, 0, sizeof ki);
+    ki.struct_size = sizeof ki;
+    check(sparge_plan_kernel_info(c.plan, &ki), "sparge_plan_kernel_info");
+    if (strcmp(ki.family, "cpu") == 0)
+      say("kernel    : cpu reference\n");
+    else
+      say("kernel    : %s family, %s (compute capability %d.%d): %d query rows x %d keys per step, %d stages, "
+          "%d threads, %d B shared memory\n",
+          ki.family, ki.name, ki.sm_version / 10, ki.sm_version % 10, ki.block_q, ki.keys_per_step, ki.stages,
+          ki.threads, ki.smem_bytes);
+  }
 
   /* ---- inputs */
   generate(&o, &in);
