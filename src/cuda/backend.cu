@@ -196,6 +196,8 @@ sparge_status_t check_device(const Problem& p, int* sm_version, const void** ker
                 "precision %d: the CUDA backend runs INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16 and FP16 only",
                 int(p.precision));
   SPARGE_TRY(predict_supported(p));
+  DeviceGuard guard;  // choose_kernel queries the device's kernel images
+  SPARGE_TRY(guard.enter(p.device_id));
   const KernelEntry* entry = nullptr;
   const sparge_status_t st = choose_kernel(p, sm, &entry);
   if (st != SPARGE_OK) {

@@ -67,8 +67,6 @@ Bars ref_bars(const AttnCase& c, sparge_precision_t prec) {
 bool quantized(sparge_precision_t p) {
   return p == SPARGE_PRECISION_INT8_FP8 || p == SPARGE_PRECISION_INT8_FP8_SPLIT_V || p == SPARGE_PRECISION_INT8_FP16;
 }
-// FP16 plans run the portable family (forced, or no sm90 family in the build).
-bool forced_portable_fp16() { return fp16_plans_portable(); }
 // The modes with fp8 tensor-core products.
 bool needs_fp8(sparge_precision_t p) { return p == SPARGE_PRECISION_INT8_FP8 || p == SPARGE_PRECISION_INT8_FP8_SPLIT_V; }
 const std::vector<sparge_precision_t> kGpuPrecisions = {SPARGE_PRECISION_INT8_FP8, SPARGE_PRECISION_INT8_FP8_SPLIT_V,
@@ -93,7 +91,7 @@ void run_case(const AttnCase& c, const std::vector<double>& densities) {
       CHECK(g.status == SPARGE_ERR_UNSUPPORTED);
       continue;
     }
-    if (prec == SPARGE_PRECISION_FP16 && forced_portable_fp16() && c.s.D == 256) {
+    if (prec == SPARGE_PRECISION_FP16 && fp16_plans_portable() && c.s.D == 256) {
       // The portable FP16-mode kernel has head dims 64, 96 and 128: the plan is refused.
       const AttnResult g = gpu_attention(in, din, prec, nullptr, nullptr, true, stream.get());
       CHECK(g.status == SPARGE_ERR_UNSUPPORTED);

@@ -93,6 +93,15 @@ const KernelEntry* find_kernel(const KernelKey& key) {
   return nullptr;
 }
 
+int image_arch_of(const void* kernel) {
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return fa.ptxVersion;
+}
+
 bool family_for_device(int sm_version, Family* out) {
   // sm_90a code runs on compute capability 9.0 only (the 'a' features are not
   // forward compatible); mma.sync code on 8.0 and newer.
@@ -113,25 +122,6 @@ bool family_for_device(int sm_version, Family* out) {
 
 namespace {
 
-// Makes device `id` current for the lifetime of the guard (kernel attribute
-// queries are per device).
-class CurrentDevice {
- public:
-  explicit CurrentDevice(int id) {
-    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != id && cudaSetDevice(id) == cudaSuccess) switched_ = true;
-    (void)cudaGetLastError();
-  }
-  ~CurrentDevice() {
-    if (switched_) (void)cudaSetDevice(prev_);
-  }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-};
-
 // What the device must offer the chosen kernel: its instructions' compute
 // capability, an image of this build for the device, and its shared memory.
 sparge_status_t check_entry_on_device(const KernelEntry& e, const Problem& p, int sm_version) {
@@ -140,7 +130,6 @@ sparge_status_t check_entry_on_device(const KernelEntry& e, const Problem& p, in
                 "problem->precision %s: kernel %s needs compute capability %d.%d (fp8 tensor cores), the device "
                 "has %d.%d; INT8_FP16 (int8 Q.K^T, 16-bit P.V) and FP16 run there",
                 precision_name(p.precision), e.name, e.min_sm / 10, e.min_sm % 10, sm_version / 10, sm_version % 10);
-  CurrentDevice dev(p.device_id);
   if (e.image_arch != nullptr) {
     const int arch = e.image_arch();
     if (arch == 0)

@@ -60,6 +60,12 @@ struct KernelEntry {
   int (*image_arch)() = nullptr;
 };
 
+// The architecture of the image `kernel` runs as on the current device
+// (cudaFuncAttributes::ptxVersion: the PTX's when the driver compiles it, else
+// the SASS's), 0 when the build has none for it: the body of the entries'
+// image_arch.
+int image_arch_of(const void* kernel);
+
 // The entry for `key`, or nullptr.
 const KernelEntry* find_kernel(const KernelKey& key);
 // All entries (for listings and tests).
@@ -72,7 +78,8 @@ const KernelEntry* kernel_at(int i);
 // family (SPARGE_FP16_KERNEL=portable the FP16-mode plans only).
 bool family_for_device(int sm_version, Family* out);
 
-// Plan time: the kernel of problem `p` on a device of `sm_version`, with a
+// Plan time: the kernel of problem `p` on a device of `sm_version` (the
+// current device: kernel images and attributes are queried there), with a
 // status naming what is missing when there is none (block sizes and dtype are
 // checked before, by predict_supported).
 sparge_status_t choose_kernel(const Problem& p, int sm_version, const KernelEntry** out);

@@ -253,11 +253,13 @@ struct OnlineSoftmax {
   }
 
   // Natural-log LSE of row `half` (after finish): m ln 2 + ln l, minus ln of
-  // P's scale; -inf for a row that saw no key, NaN for a NaN sum.
-  __device__ __forceinline__ float lse(int half) const {
+  // P's scale, plus `shift` (the smoothing shift q.mu of the int8 modes); NaN
+  // for a NaN sum; -inf for a row that saw no key, whatever the shift (a NaN
+  // shift comes from a non-finite k, which such a row does not use).
+  __device__ __forceinline__ float lse(int half, float shift = 0.f) const {
     const float l = half ? l1 : l0;
     const float m = half ? m1 : m0;
-    return (l > 0.f || l != l) ? (m * 0.69314718055994531f + (logf(l) - Pack::kLnScale)) : -INFINITY;
+    return (l > 0.f || l != l) ? (m * 0.69314718055994531f + (logf(l) - Pack::kLnScale)) + shift : -INFINITY;
   }
 };
 

@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "cuda/common/internal.cuh"
+
 namespace sparge {
 namespace cuda {
 namespace attn {
@@ -29,6 +31,33 @@ struct Params {
   const float* k_scale;  // [BHkv, nKB]     int8 Q.K^T
   const float* v_amax;   // [BHkv, Dk]      fp8 P.V
 };
+
+// Host side: the parameter block of a call (tma_store left 0: a family sets
+// it where it applies).
+inline Params make_params(const AttnArgs& a) {
+  const Problem& pb = a.prob;
+  Params p{};
+  p.idx = a.idx;
+  p.cnt = a.cnt;
+  p.order = a.order;
+  p.out = a.out.data;
+  for (int i = 0; i < 4; ++i) p.out_stride[i] = a.out.stride[i];
+  p.lse = a.lse.data;
+  for (int i = 0; i < 3; ++i) p.lse_stride[i] = a.lse.stride[i];
+  p.Hq = static_cast<int>(pb.Hq);
+  p.group = static_cast<int>(pb.Hq / pb.Hkv);
+  p.Lq = static_cast<int>(pb.Lq);
+  p.Lkv = static_cast<int>(pb.Lkv);
+  p.nQB = static_cast<int>(pb.nQB);
+  p.nKB = static_cast<int>(pb.nKB);
+  p.scale_log2 = pb.scale * kLog2e;
+  p.out_bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
+  p.q_scale = a.q_scale;
+  p.q_mu = a.q_mu;
+  p.k_scale = a.k_scale;
+  p.v_amax = a.v_amax;
+  return p;
+}
 
 // The mask row of this CTA (blockIdx.x indexes the work order): its batch,
 // query head and 128-row query block, its K/V head, and its list of kept

@@ -29,6 +29,7 @@
 #include "cuda/attention/portable/primitives.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/registry/registry.hpp"
 
 namespace sparge {
 namespace cuda {
@@ -383,15 +384,10 @@ sparge_status_t launch(const Params& p, int64_t grid, cudaStream_t stream) {
 }
 
 // The architecture of the image the <T, D, causal> kernel runs as on the
-// current device (cudaFuncAttributes::ptxVersion), 0 when there is none.
+// current device (registry.hpp, image_arch_of).
 template <class T, int D, bool kCausal>
 int image_arch() {
-  cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, attn_fp16_kernel<T, D, kCausal>) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return fa.ptxVersion;
+  return image_arch_of(reinterpret_cast<const void*>(attn_fp16_kernel<T, D, kCausal>));
 }
 
 // The instances for one dtype (head dims 64 and 128, causal and not). They are

@@ -30,6 +30,7 @@
 #include "cuda/attention/portable/primitives.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/registry/registry.hpp"
 
 namespace sparge {
 namespace cuda {
@@ -315,13 +316,9 @@ struct Int8Cta {
         *reinterpret_cast<uint32_t*>(orow + 2 * col) =
             bf16 ? attn::pack16<__nv_bfloat16>(x0, x1) : attn::pack16<__half>(x0, x1);
       }
-      if (p.lse != nullptr && t4 == 0) {
-        // A row that used no key keeps LSE -inf, whatever the shift (a NaN
-        // shift comes from a non-finite k: such a row does not use it).
-        const float l = c.sm.lse(half);
+      if (p.lse != nullptr && t4 == 0)
         p.lse[int64_t(w.b) * p.lse_stride[0] + int64_t(w.h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] =
-            l == -INFINITY ? l : l + c.lse_shift(half);
-      }
+            c.sm.lse(half, c.lse_shift(half));
     }
   }
 };
@@ -354,17 +351,11 @@ sparge_status_t launch_int8(const Int8Params& p, int64_t grid, cudaStream_t stre
   return SPARGE_OK;
 }
 
-// The compute capability (major*10 + minor) of the code a kernel runs as on
-// the current device: the PTX it was compiled from when the driver compiles
-// it, the SASS's otherwise; 0 when the build has no image for the device.
+// The architecture of the image the kernel runs as on the current device
+// (registry.hpp, image_arch_of).
 template <class PV, int Dk, bool kCausal>
 int int8_image_arch() {
-  cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, attn_int8_kernel<PV, Dk, kCausal>) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return fa.ptxVersion;
+  return image_arch_of(reinterpret_cast<const void*>(attn_int8_kernel<PV, Dk, kCausal>));
 }
 
 // Instances, one file per P.V kind and kernel head dim (attn_int8_*.cu, see

@@ -49,26 +49,7 @@ sparge_status_t int8_setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   Int8Launch* s = reinterpret_cast<Int8Launch*>(blob->bytes);  // plain data in an aligned blob
   *s = Int8Launch{};
   const Problem& pr = a.prob;
-  attn::Params& p = s->p.a;
-  p.idx = a.idx;
-  p.cnt = a.cnt;
-  p.order = a.order;
-  p.out = a.out.data;
-  for (int i = 0; i < 4; ++i) p.out_stride[i] = a.out.stride[i];
-  p.lse = a.lse.data;
-  for (int i = 0; i < 3; ++i) p.lse_stride[i] = a.lse.stride[i];
-  p.Hq = static_cast<int>(pr.Hq);
-  p.group = static_cast<int>(pr.Hq / pr.Hkv);
-  p.Lq = static_cast<int>(pr.Lq);
-  p.Lkv = static_cast<int>(pr.Lkv);
-  p.nQB = static_cast<int>(pr.nQB);
-  p.nKB = static_cast<int>(pr.nKB);
-  p.scale_log2 = pr.scale * kLog2e;
-  p.out_bf16 = pr.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
-  p.q_scale = a.q_scale;
-  p.q_mu = a.q_mu;
-  p.k_scale = a.k_scale;
-  p.v_amax = a.v_amax;
+  s->p.a = attn::make_params(a);
   Int8Params& q = s->p;
   q.q_i8 = a.q_i8;
   q.k_i8 = a.k_i8;

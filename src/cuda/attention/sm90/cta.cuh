@@ -82,13 +82,9 @@ __device__ __forceinline__ void write_output(const Params& p, const SM& sm, int 
       for (int c = 0; c < Dout / 8; ++c)
         *reinterpret_cast<uint32_t*>(orow + 2 * (8 * c + 2 * sm.quad)) = pair(c, half);
     }
-    if (p.lse != nullptr && sm.quad == 0) {
-      // A row that used no key keeps LSE -inf whatever the shift (a NaN shift
-      // comes from a non-finite k, which such a row does not use).
-      const float l = sm.lse(half);
+    if (p.lse != nullptr && sm.quad == 0)
       p.lse[int64_t(b) * p.lse_stride[0] + int64_t(h) * p.lse_stride[1] + int64_t(row) * p.lse_stride[2]] =
-          l == -INFINITY ? l : l + shift(half);
-    }
+          sm.lse(half, shift(half));
   }
 }
 

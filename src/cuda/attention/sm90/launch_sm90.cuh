@@ -52,26 +52,8 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   Sm90Launch* s = reinterpret_cast<Sm90Launch*>(blob->bytes);  // plain data in a 64-byte aligned blob
   *s = Sm90Launch{};
   const Problem& pb = a.prob;
+  s->p = attn::make_params(a);
   Params& p = s->p;
-  p.idx = a.idx;
-  p.cnt = a.cnt;
-  p.order = a.order;
-  p.out = a.out.data;
-  for (int i = 0; i < 4; ++i) p.out_stride[i] = a.out.stride[i];
-  p.lse = a.lse.data;
-  for (int i = 0; i < 3; ++i) p.lse_stride[i] = a.lse.stride[i];
-  p.Hq = static_cast<int>(pb.Hq);
-  p.group = static_cast<int>(pb.Hq / pb.Hkv);
-  p.Lq = static_cast<int>(pb.Lq);
-  p.Lkv = static_cast<int>(pb.Lkv);
-  p.nQB = static_cast<int>(pb.nQB);
-  p.nKB = static_cast<int>(pb.nKB);
-  p.scale_log2 = pb.scale * kLog2e;
-  p.out_bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
-  p.q_scale = a.q_scale;
-  p.q_mu = a.q_mu;
-  p.k_scale = a.k_scale;
-  p.v_amax = a.v_amax;
   s->grid = static_cast<unsigned>(pb.B * pb.Hq * pb.nQB);
   const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
   // The FP16 mode reads the caller's tensors by TMA (16-byte rows); the int8
