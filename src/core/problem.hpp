@@ -189,6 +189,7 @@ struct WorkspaceLayout {
   size_t order = 0;     // int32 [B*Hq*nQB]          work order: group-major, heaviest first in a group
   size_t col_part = 0;  // double [B*Hkv, nChunk, D] K column sums, then float [B*Hkv, nChunk, D]
                         // V column max|.|; nChunk = ceil(Lkv / kGpuColChunk)
+  size_t col_tick = 0;  // uint64 [B*Hkv]           tickets of the column statistics (no initialization needed)
 };
 
 WorkspaceLayout plan_workspace(const Problem& p);

@@ -53,6 +53,7 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     w.cnt = a.take({B, Hq, nQB, i32});
     w.order = a.take({B, Hq, nQB, i32});
     w.col_part = a.take({B, Hkv, nchunk, D, sizeof(double) + sizeof(float)});
+    w.col_tick = a.take({B, Hkv, sizeof(uint64_t)});
     if (p.quantized()) {
       w.q_i8 = a.take({B, Hq, nQB, kGpuBlockQ, D});
       w.k_i8 = a.take({B, Hkv, nKB, kGpuBlockK, D});

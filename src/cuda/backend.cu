@@ -25,22 +25,61 @@ namespace cuda {
 // setup and the pointer checks depend on (core/backend.hpp, AttnCallKey). A
 // fixed array allocated with the plan; least recently used entry replaced.
 // One mutex per plan: a lookup is a scan of hashes and a copy of one blob.
+// The call's parameters that the kernels take by value and AttnCallKey does
+// not hold (the per-head arrays are device memory: their pointers are in the
+// key). Zero-filled before the fields are set, so that memcmp compares them.
+struct GraphCfg {
+  int32_t mode, smooth_k, sink, window, estimator;
+  float topk, cdf, sim;
+};
+
+GraphCfg graph_cfg(const PredictConfig& c) {
+  GraphCfg g;
+  std::memset(&g, 0, sizeof g);
+  g.mode = int32_t(c.mode), g.smooth_k = c.smooth_k, g.sink = c.attention_sink, g.window = c.local_window;
+  g.estimator = int32_t(c.estimator), g.topk = c.topk, g.cdf = c.cdf_threshold, g.sim = c.sim_threshold;
+  return g;
+}
+
+// Entries also keep, from the second call of a key on, the call's launch
+// sequence as an instantiated CUDA graph (docs/API.md, "Repeated arguments"),
+// captured on the cache's own stream and replayed on the caller's with one
+// cudaGraphLaunch. The graph is a function of the key and GraphCfg.
 struct CallCache {
   static constexpr int kCapacity = 32;
   struct Entry {
     AttnCallKey key;
     LaunchBlob blob;
     const KernelEntry* kernel;
-    uint64_t used;  // clock of the last use
+    uint64_t used;         // clock of the last use
+    GraphCfg gcfg;         // the parameters `exec` was captured with
+    cudaGraphExec_t exec;  // null until the second call of the key
+    bool no_graph;         // its capture failed: calls of this key launch one by one
   };
   std::mutex mu;
   uint64_t clock = 0;
   int count = 0;
+  cudaStream_t capture_stream = nullptr;  // created on the plan's device at the first capture
+  int device = -1;
   Entry entries[kCapacity];
 };
 
-CallCache* create_call_cache() { return new CallCache; }
-void destroy_call_cache(CallCache* c) { delete c; }
+CallCache* create_call_cache() { return new CallCache(); }  // value-initialized: every entry zero
+
+void destroy_call_cache(CallCache* c) {
+  if (c == nullptr) return;
+  // In-flight replays finish first: a graph destroyed while it runs is freed on completion.
+  for (int i = 0; i < c->count; ++i)
+    if (c->entries[i].exec != nullptr) cudaGraphExecDestroy(c->entries[i].exec);
+  if (c->capture_stream != nullptr) {
+    int prev = -1;
+    const bool switch_dev = cudaGetDevice(&prev) == cudaSuccess && prev != c->device;
+    if (switch_dev) cudaSetDevice(c->device);
+    cudaStreamDestroy(c->capture_stream);
+    if (switch_dev) cudaSetDevice(prev);
+  }
+  delete c;
+}
 
 sparge_status_t cuda_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return SPARGE_OK;
@@ -156,10 +195,32 @@ void cache_store(const Plan& plan, const AttnCallKey& key, const LaunchBlob& blo
     for (int i = 1; i < c->count; ++i)
       if (c->entries[i].used < slot->used) slot = &c->entries[i];
   }
+  if (!same_key(slot->key, key)) {  // a new or an evicted slot
+    if (slot->exec != nullptr) cudaGraphExecDestroy(slot->exec);  // an in-flight replay finishes first
+    slot->exec = nullptr;
+    slot->no_graph = false;
+  }
   slot->key = key;
   slot->blob = blob;
   slot->kernel = kernel;
   slot->used = ++c->clock;
+}
+
+// SPARGE_GRAPHS=0 (read once): every call launches its kernels one by one.
+bool graphs_enabled() { return dev_switches().graphs; }
+
+// True when `s` is being captured into a graph (by the caller): the call then
+// launches its kernels into that capture one by one. An error of the query
+// (e.g. the legacy stream while another thread captures) also answers true;
+// the launches then report it.
+bool stream_capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(s, &cs);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // the launches that follow report it
+    return true;
+  }
+  return cs != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace
@@ -262,6 +323,71 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   return SPARGE_OK;
 }
 
+namespace {
+
+// The call's kernels, queued on `s` in order (the attention kernel set up in `blob`).
+sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v, const MaskView* mask,
+                        const PredictConfig& cfg, const LseView* lse, void* workspace, const LaunchBlob& blob,
+                        const KernelEntry* entry, cudaStream_t s) {
+  const Problem& p = plan.prob;
+  const WorkspaceLayout& L = plan.ws;
+  // The pooled means and self-similarities are needed only when the mask is
+  // predicted here.
+  const bool predict_here = (mask == nullptr);
+  // With the caller's mask, the 8-bit preparation's launches also build its index lists.
+  bool lists_done = false;
+  if (p.quantized()) {
+    SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,
+                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr, /*lists_mask=*/mask));
+    lists_done = mask != nullptr;
+  } else if (predict_here)
+    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
+                            /*lse_shift=*/false));
+
+  if (mask == nullptr) {
+    const MaskView wm = workspace_mask(p, workspace, L.mask);
+    KeptView wk;
+    wk.data = ws_ptr<int32_t>(workspace, L.kept);
+    wk.stride[0] = p.Hq;
+    wk.stride[1] = 1;
+    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s));
+    SPARGE_TRY(launch_mask_to_lists(plan, wm, workspace, s));
+  } else if (!lists_done) {
+    SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));
+  }
+  return entry->run(blob, s);
+}
+
+// Captures `fn(stream)` on the cache's own stream (created on the current
+// device, the plan's, the first time) and instantiates it. Called under the
+// cache's lock.
+template <class Fn>
+sparge_status_t capture_graph(CallCache* c, int device, Fn&& fn, cudaGraphExec_t* out) {
+  *out = nullptr;
+  if (c->capture_stream == nullptr) {
+    SPARGE_CUDA_TRY(cudaStreamCreateWithFlags(&c->capture_stream, cudaStreamNonBlocking));
+    c->device = device;
+  }
+  SPARGE_CUDA_TRY(cudaStreamBeginCapture(c->capture_stream, cudaStreamCaptureModeThreadLocal));
+  const sparge_status_t st = fn(c->capture_stream);
+  cudaGraph_t g = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(c->capture_stream, &g);
+  if (st != SPARGE_OK) {
+    if (g != nullptr) cudaGraphDestroy(g);
+    return st;
+  }
+  if (end != cudaSuccess) return cuda_status(end, "cudaStreamEndCapture");
+  const cudaError_t inst = cudaGraphInstantiate(out, g, 0);
+  cudaGraphDestroy(g);
+  if (inst != cudaSuccess) {
+    *out = nullptr;
+    return cuda_status(inst, "cudaGraphInstantiate");
+  }
+  return SPARGE_OK;
+}
+
+}  // namespace
+
 sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v,
                           const MaskView* mask, const PredictConfig& cfg, const Tensor4& out, const LseView* lse,
                           void* workspace, void* stream, const AttnCallKey* key) {
@@ -270,14 +396,47 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   DeviceGuard guard;
   SPARGE_TRY(guard.enter(p.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const bool int8 = p.quantized();
 
-  // The pooled means and self-similarities are needed only when the mask is
-  // predicted here.
-  const bool predict_here = (mask == nullptr);
+  // A key called before replays its graph (captured at its second call) with
+  // one launch. Not while the caller captures this stream: the kernels then
+  // go into the caller's graph one by one, as below.
+  CallCache* c = plan.call_cache;
+  if (key != nullptr && c != nullptr && graphs_enabled() && !stream_capturing(s)) {
+    std::lock_guard<std::mutex> lock(c->mu);
+    CallCache::Entry* e = nullptr;
+    for (int i = 0; i < c->count && e == nullptr; ++i)
+      if (same_key(c->entries[i].key, *key)) e = &c->entries[i];
+    if (e != nullptr && !e->no_graph) {
+      const GraphCfg g = graph_cfg(cfg);
+      if (e->exec != nullptr && std::memcmp(&e->gcfg, &g, sizeof g) != 0) {
+        cudaGraphExecDestroy(e->exec);
+        e->exec = nullptr;
+      }
+      if (e->exec == nullptr) {
+        const LaunchBlob& blob = e->blob;
+        const KernelEntry* kern = e->kernel;
+        const sparge_status_t st = capture_graph(
+            c, p.device_id,
+            [&](cudaStream_t cs) { return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, kern, cs); },
+            &e->exec);
+        e->gcfg = g;
+        // Not capturable here: this key launches one by one from now on (and
+        // what failed, if it was a launch, is reported by the launches below).
+        if (st != SPARGE_OK) {
+          (void)cudaGetLastError();
+          e->no_graph = true;
+        }
+      }
+      if (e->exec != nullptr) {
+        e->used = ++c->clock;
+        return cuda_status(cudaGraphLaunch(e->exec, s), "cudaGraphLaunch");
+      }
+    }
+  }
+
   AttnArgs a;
   a.prob = p;
-  if (int8) {
+  if (p.quantized()) {
     a.q_i8 = ws_ptr<const int8_t>(workspace, L.q_i8);
     a.q_scale = ws_ptr<const float>(workspace, L.q_scale);
     a.q_mu = ws_ptr<const float>(workspace, L.q_mu);
@@ -306,27 +465,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
     SPARGE_TRY(setup_attention(plan, a, &blob, &entry));
     if (key != nullptr) cache_store(plan, *key, blob, entry);
   }
-
-  if (int8)
-    SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,
-                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr));
-  else if (predict_here)
-    SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
-                            /*lse_shift=*/false));
-
-  if (mask == nullptr) {
-    const MaskView wm = workspace_mask(p, workspace, L.mask);
-    KeptView wk;
-    wk.data = ws_ptr<int32_t>(workspace, L.kept);
-    wk.stride[0] = p.Hq;
-    wk.stride[1] = 1;
-    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s));
-    SPARGE_TRY(launch_mask_to_lists(plan, wm, workspace, s));
-  } else {
-    SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));
-  }
-
-  return entry->run(blob, s);
+  return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, entry, s);
 }
 
 }  // namespace cuda

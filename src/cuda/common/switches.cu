@@ -22,6 +22,7 @@ const DevSwitches& dev_switches() {
     if (env_is("SPARGE_FP16_KERNEL", "portable")) d.fp16 = Fp16Choice::kPortable;
     if (env_is("SPARGE_FP16_KERNEL", "sm90")) d.fp16 = Fp16Choice::kSm90Only;
     d.force_portable = env_is("SPARGE_KERNEL_FAMILY", "portable");
+    d.graphs = !env_is("SPARGE_GRAPHS", "0");
     return d;
   }();
   return s;

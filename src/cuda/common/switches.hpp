@@ -6,6 +6,8 @@
 //   SPARGE_SM90_EPILOGUE=direct   sm_90a kernels store the output from registers
 //                                 instead of through shared memory and TMA
 //   SPARGE_FP16_KERNEL=portable   FP16-mode plans run the portable mma.sync kernel
+//   SPARGE_GRAPHS=0               repeated attention calls launch their kernels one
+//                                 by one instead of replaying the key's CUDA graph
 //   SPARGE_FP16_KERNEL=sm90       an FP16 call the sm_90a kernel cannot take is an
 //                                 error instead of a fallback to the portable kernel
 // and one documented setting (docs/API.md), read the same way:
@@ -23,6 +25,7 @@ struct DevSwitches {
   bool tma_store = true;
   Fp16Choice fp16 = Fp16Choice::kAuto;
   bool force_portable = false;
+  bool graphs = true;
 };
 
 const DevSwitches& dev_switches();

@@ -11,6 +11,9 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <random>
 #include <type_traits>
 
 #include "core/error.hpp"
@@ -20,8 +23,10 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/predict/pooling.cuh"
 #include "cuda/predict/predict.cuh"
+#include "cuda/prepare/column_stats.cuh"
 #include "cuda/prepare/passes.cuh"
 #include "cuda/prepare/prepare.cuh"
+#include "cuda/schedule/lists.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -80,13 +85,20 @@ struct QArgs {
   float* q_mu;          // [B*Hq, nQB*128]
 };
 
-// One CTA per (b, h, 128-row query block).
+// Shared memory of the Q and K passes (floats): the pooling reduction, and
+// the K pass's block max.
+template <int D>
+struct PassSmem {
+  float red[2 * (kThreads / 32) * D + 32];
+  float fred[32];
+};
+
+// CTA `cta` of one per (b, h, 128-row query block).
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads, 3) q_pass_kernel(const QArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
-  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI, NW = kThreads / 32;
-  __shared__ float red[2 * NW * D + 32];
-  const uint32_t qb = blockIdx.x % uint32_t(a.nQB), bh = blockIdx.x / uint32_t(a.nQB);
+__device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>& sm) {
+  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI;
+  float* red = sm.red;
+  const uint32_t qb = cta % uint32_t(a.nQB), bh = cta / uint32_t(a.nQB);
   const uint32_t b = bh / uint32_t(a.Hq), h = bh % uint32_t(a.Hq), bhk = b * uint32_t(a.Hkv) + h / uint32_t(a.group);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
   const int64_t row0 = block_row0(qb, kGpuBlockQ);
@@ -146,14 +158,13 @@ struct KArgs {
   float* k_scale;       // [B*Hkv, nKB]
 };
 
-// One CTA per (b, hkv, 64-key block).
+// CTA `cta` of one per (b, hkv, 64-key block).
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads, 4) k_pass_kernel(const KArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
-  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockK / RPI, NW = kThreads / 32;
-  __shared__ float red[2 * NW * D + 32];
-  __shared__ float fred[32];
-  const uint32_t kb = blockIdx.x % uint32_t(a.nKB), bhk = blockIdx.x / uint32_t(a.nKB);
+__device__ __forceinline__ void k_pass(const KArgs& a, uint32_t cta, PassSmem<D>& sm) {
+  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockK / RPI;
+  float* red = sm.red;
+  float* fred = sm.fred;
+  const uint32_t kb = cta % uint32_t(a.nKB), bhk = cta / uint32_t(a.nKB);
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
   const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
   const int64_t row0 = block_row0(kb, kGpuBlockK);
@@ -218,66 +229,149 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t code) {
   return __half2float(__half(h));
 }
 
-// One CTA of D/8 warps per (b, hkv, tile of 128 token slots). Warp w owns
-// channels 8w..8w+7; lane l owns the four consecutive slots 4l..4l+3 of the
-// tile, i.e. the keys perm32(kk) of their group of 32. Each lane reads its four
-// keys (16 bytes each) and writes one 32-bit word per channel: every channel
-// row of the tile is a contiguous 128-byte store of the warp.
+// CTA `cta` of one per (b, hkv, tile of 128 token slots), 8 warps. Warp w owns
+// the channel groups w, w + 8, ... of 8 channels each; lane l owns the four
+// consecutive slots 4l..4l+3 of the tile, i.e. the keys perm32(kk) of their
+// group of 32. Per channel group each lane reads its four keys (16 bytes each)
+// and writes one 32-bit word per channel: every channel row of the tile is a
+// contiguous 128-byte store of the warp.
 template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(D * 4) v_pass_kernel(const VArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
-  const uint32_t tile = blockIdx.x % uint32_t(a.ntile), bhk = blockIdx.x / uint32_t(a.ntile);
+__device__ __forceinline__ void v_pass(const VArgs& a, uint32_t cta) {
+  const uint32_t tile = cta % uint32_t(a.ntile), bhk = cta / uint32_t(a.ntile);
   const uint32_t b = bhk / uint32_t(a.Hkv), hk = bhk % uint32_t(a.Hkv);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = warp * 8;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t s0 = block_row0(tile, 128) + lane * 4;  // first slot of this lane
   if (s0 >= a.lk_pad) return;
   const int64_t g = s0 & ~int64_t(31);
   const int kk0 = int(s0 & 31);
   const T* vp = static_cast<const T*>(a.v.data);
-
-  uint4 raw[4];
+#pragma unroll 1
+  for (int c0 = warp * 8; c0 < D; c0 += kThreads / 4) {
+    uint4 raw[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t j = g + perm32(kk0 + i);
-    raw[i] = (j < a.Lkv && c0 < a.d_in) ? load8_raw<VEC>(vp + a.v.offset(b, hk, j, c0)) : make_uint4(0, 0, 0, 0);
-  }
-  float inv[8];
-  bool nz[8];
-  {
-    float am[8];
-    load_f8(a.v_amax + bhk * D + c0, am);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      nz[c] = am[c] > 0.f;
-      inv[c] = nz[c] ? kFp8Max / am[c] : 0.f;
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = g + perm32(kk0 + i);
+      raw[i] = (j < a.Lkv && c0 < a.d_in) ? load8_raw<VEC>(vp + a.v.offset(b, hk, j, c0)) : make_uint4(0, 0, 0, 0);
     }
-  }
-  float x[4][8];
+    float inv[8];
+    bool nz[8];
+    {
+      float am[8];
+      load_f8(a.v_amax + bhk * D + c0, am);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) unpack8<T>(raw[i], x[i]);
-  const int64_t off = (bhk * D + c0) * a.lk_pad + s0;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    uint32_t w = 0, wl = 0;
-    if (nz[c]) {
-      float y[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) y[i] = __fmul_rn(x[i][c], inv[c]);  // rounded on its own, never fused
-      w = e4m3x2(y[0], y[1]) | (e4m3x2(y[2], y[3]) << 16);
-      if (a.v_f8_lo != nullptr) {
-        // Split V: lo = e4m3(y - hi); y - hi is exact in float32.
-        float r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r[i] = __fsub_rn(y[i], e4m3_to_float(uint8_t(w >> (8 * i))));
-        wl = e4m3x2(r[0], r[1]) | (e4m3x2(r[2], r[3]) << 16);
+      for (int c = 0; c < 8; ++c) {
+        nz[c] = am[c] > 0.f;
+        inv[c] = nz[c] ? kFp8Max / am[c] : 0.f;
       }
     }
-    *reinterpret_cast<uint32_t*>(a.v_f8 + off + int64_t(c) * a.lk_pad) = w;
-    if (a.v_f8_lo != nullptr) *reinterpret_cast<uint32_t*>(a.v_f8_lo + off + int64_t(c) * a.lk_pad) = wl;
+    float x[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) unpack8<T>(raw[i], x[i]);
+    const int64_t off = (bhk * D + c0) * a.lk_pad + s0;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      uint32_t w = 0, wl = 0;
+      if (nz[c]) {
+        float y[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) y[i] = __fmul_rn(x[i][c], inv[c]);  // rounded on its own, never fused
+        w = e4m3x2(y[0], y[1]) | (e4m3x2(y[2], y[3]) << 16);
+        if (a.v_f8_lo != nullptr) {
+          // Split V: lo = e4m3(y - hi); y - hi is exact in float32.
+          float r[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) r[i] = __fsub_rn(y[i], e4m3_to_float(uint8_t(w >> (8 * i))));
+          wl = e4m3x2(r[0], r[1]) | (e4m3x2(r[2], r[3]) << 16);
+        }
+      }
+      *reinterpret_cast<uint32_t*>(a.v_f8 + off + int64_t(c) * a.lk_pad) = w;
+      if (a.v_f8_lo != nullptr) *reinterpret_cast<uint32_t*>(a.v_f8_lo + off + int64_t(c) * a.lk_pad) = wl;
+    }
   }
 }
 
 bool grid_ok(int64_t blocks) { return blocks > 0 && blocks <= int64_t(0x7fffffff); }
+
+// ---------------------------------------------------------------- the two launches
+// The preparation runs as two launches of 256-thread CTAs whose grid is the
+// concatenation of independent parts (no CTA waits for another):
+//   stage A: column statistics (their last CTA per head reduces the chunks),
+//            the Q pass (unless it needs the K mean), the mask-to-lists rows
+//            of a caller's mask;
+//   stage B: the work order of those lists, the K pass, the V pass, the Q
+//            pass that needs the K mean (LSE shift), the pooled-K smoothing
+//            of a prediction-only call.
+// Stage B reads what stage A wrote (stream order, PDL wait). Parts are laid
+// out in that order, so the CTAs that gate stage B's start are dispatched
+// first.
+struct StageA {
+  ColArgs col;
+  QArgs q;
+  lists::ListArgs lists;
+  uint32_t n_col, n_q, n_lists;
+};
+
+struct StageB {
+  lists::OrderArgs ord;
+  KArgs k;
+  VArgs v;
+  QArgs q;
+  SubMeanArgs sub;
+  uint32_t n_ord, n_k, n_v, n_q, n_sub;
+};
+
+template <int D>
+union StageSmem {
+  ColSmem<D> col;
+  PassSmem<D> pass;
+};
+
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(kThreads, 3) stage_a_kernel(const __grid_constant__ StageA a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  __shared__ __align__(16) unsigned char raw[sizeof(StageSmem<D>)];
+  StageSmem<D>& sm = *reinterpret_cast<StageSmem<D>*>(raw);
+  uint32_t cta = blockIdx.x;
+  if (cta < a.n_col) return col_partial<D, T, VEC>(a.col, cta, sm.col);
+  cta -= a.n_col;
+  if (cta < a.n_q) return q_pass<D, T, VEC>(a.q, cta, sm.pass);
+  cta -= a.n_q;
+  lists::mask_to_lists(a.lists, cta);
+}
+
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(kThreads, 3) stage_b_kernel(const __grid_constant__ StageB a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  __shared__ __align__(16) unsigned char raw[sizeof(PassSmem<D>)];
+  extern __shared__ int hist[];  // the work order's counters (nKB + 1), when it is a part
+  PassSmem<D>& sm = *reinterpret_cast<PassSmem<D>*>(raw);
+  uint32_t cta = blockIdx.x;
+  if (cta < a.n_ord) return lists::order_rows<kThreads>(a.ord, cta, hist);
+  cta -= a.n_ord;
+  if (cta < a.n_k) return k_pass<D, T, VEC>(a.k, cta, sm);
+  cta -= a.n_k;
+  if (cta < a.n_v) return v_pass<D, T, VEC>(a.v, cta);
+  cta -= a.n_v;
+  if (cta < a.n_q) return q_pass<D, T, VEC>(a.q, cta, sm);
+  cta -= a.n_q;
+  pooled_sub_mean(a.sub, cta, a.n_sub);
+}
+
+// The work order joins stage B only while its counters are small: they are
+// dynamic shared memory of every CTA of the launch.
+constexpr int kOrderInStageMaxBins = 2048;
+
+// A new ticket epoch per call (column_stats.cuh): never 0, kTicketEpochBits wide.
+uint64_t next_epoch() {
+  static std::atomic<uint64_t> counter{[] {
+    std::random_device rd;
+    return (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  }()};
+  constexpr uint64_t kMask = (uint64_t(1) << kTicketEpochBits) - 1;
+  uint64_t e = 0;
+  while (e == 0) e = counter.fetch_add(1, std::memory_order_relaxed) & kMask;
+  return e;
+}
 
 }  // namespace
 
@@ -307,11 +401,11 @@ sparge_status_t predict_supported(const Problem& p) {
 
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
-                             bool lse_shift) {
+                             bool lse_shift, const MaskView* lists_mask) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
-  if (L.col_part == 0 || L.pooled_q == 0 || L.pooled_k == 0)
+  if (L.col_part == 0 || L.pooled_q == 0 || L.pooled_k == 0 || L.col_tick == 0)
     return fail(SPARGE_ERR_INTERNAL, "CUDA preparation: workspace layout lacks the CUDA regions");
   char* base = static_cast<char*>(ws);
   const bool quant = quantize && L.q_i8 != 0 && L.k_i8 != 0;
@@ -320,19 +414,40 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   if (!pool && !quant) return SPARGE_OK;  // nothing asked for
   const int64_t bhq = p.B * p.Hq, bhk = p.B * p.Hkv;
   const int64_t lk_pad = p.nKB * kGpuBlockK;
-
-  const float* k_mean = ws_ptr<float>(base, L.k_mean);
+  const int64_t nchunk = ceil_div(p.Lkv, kGpuColChunk);
+  float* k_mean = ws_ptr<float>(base, L.k_mean);
   float* v_amax = ws_ptr<float>(base, L.v_amax);
 
-  // 1. column statistics (column_stats.cu). Prediction only, smoothing on, no
-  // self-similarity forcing possible (similarities are >= 0, so a threshold
-  // <= 0 never forces): the pooled K means come out of the column pass (raw,
-  // then minus the mean) and the K pass, a second read of K, is skipped.
+  // Prediction only, smoothing on, no self-similarity forcing possible
+  // (similarities are >= 0, so a threshold <= 0 never forces): the pooled K
+  // means come out of the column statistics' read (raw, then minus the mean in
+  // stage B) and the K pass, a second read of K, is skipped.
   const bool fused_kpool = !quant && do_k && cfg.sim_per_head == nullptr && !(cfg.sim_threshold > 0.f);
-  SPARGE_TRY(launch_column_stats(plan, k, v, do_k, do_v, fused_kpool, ws, stream));
+  const bool q_late = quant && lse_shift && do_k;  // q . k_mean needs the K mean
 
-  // 2. Q pass
-  {
+  StageA A;
+  StageB B;
+  std::memset(&A, 0, sizeof A);
+  std::memset(&B, 0, sizeof B);
+
+  if (do_k || do_v) {  // column statistics
+    ColArgs& ca = A.col;
+    ca.k = k;
+    ca.d_in = int(p.D);
+    ca.v = do_v ? *v : k;
+    ca.Hkv = p.Hkv, ca.Lkv = p.Lkv, ca.nchunk = nchunk, ca.nKB = p.nKB;
+    ca.do_k = do_k, ca.do_v = do_v;
+    ca.ksum = ws_ptr<double>(base, L.col_part);
+    ca.vmax = reinterpret_cast<float*>(ca.ksum + bhk * nchunk * p.Dk);
+    ca.kpool = fused_kpool ? ws_ptr<float>(base, L.pooled_k) : nullptr;
+    ca.ksim = fused_kpool ? ws_ptr<float>(base, L.sim_k) : nullptr;
+    ca.k_mean = k_mean;
+    ca.v_amax = do_v ? v_amax : nullptr;
+    ca.ticks = ws_ptr<uint64_t>(base, L.col_tick);
+    ca.epoch = next_epoch();
+    A.n_col = uint32_t(bhk * nchunk);
+  }
+  {  // Q pass
     QArgs qa;
     qa.q = q;
     qa.d_in = int(p.D);
@@ -345,18 +460,26 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.q_i8 = quant ? ws_ptr<int8_t>(base, L.q_i8) : nullptr;
     qa.q_scale = quant ? ws_ptr<float>(base, L.q_scale) : nullptr;
     qa.q_mu = quant ? ws_ptr<float>(base, L.q_mu) : nullptr;
-    const bool vec = vec_ok(q);
-    cudaError_t err = cudaSuccess;
-    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      err = launch_pdl(q_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
-                       dim3(unsigned(bhq * p.nQB)), dim3(kThreads), 0, stream, qa);
-    });
-    SPARGE_PDL_CHECK(err, "sparge Q pass kernel");
+    if (q_late) {
+      B.q = qa;
+      B.n_q = uint32_t(bhq * p.nQB);
+    } else {
+      A.q = qa;
+      A.n_q = uint32_t(bhq * p.nQB);
+    }
   }
-
-  // 3. K pass
-  if (!fused_kpool) {
-    KArgs ka;
+  int64_t order_groups = 0;  // the work order after stage B, on its own
+  if (lists_mask != nullptr) {
+    int64_t ctas = 0, groups = 0;
+    SPARGE_TRY(lists::list_args(plan, *lists_mask, ws, &A.lists, &B.ord, &ctas, &groups));
+    A.n_lists = uint32_t(ctas);
+    if (B.ord.nbins <= kOrderInStageMaxBins)
+      B.n_ord = uint32_t(groups);
+    else
+      order_groups = groups;
+  }
+  if (!fused_kpool) {  // K pass
+    KArgs& ka = B.k;
     ka.k = k;
     ka.d_in = int(p.D);
     ka.Hkv = p.Hkv, ka.Lkv = p.Lkv, ka.nKB = p.nKB;
@@ -366,35 +489,57 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ka.sim_k = ws_ptr<float>(base, L.sim_k);
     ka.k_i8 = quant ? ws_ptr<int8_t>(base, L.k_i8) : nullptr;
     ka.k_scale = quant ? ws_ptr<float>(base, L.k_scale) : nullptr;
-    const bool vec = vec_ok(k);
-    cudaError_t err = cudaSuccess;
-    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      err = launch_pdl(k_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
-                       dim3(unsigned(bhk * p.nKB)), dim3(kThreads), 0, stream, ka);
-    });
-    SPARGE_PDL_CHECK(err, "sparge K pass kernel");
+    B.n_k = uint32_t(bhk * p.nKB);
   }
-
-  // 4. V pass
-  if (do_v) {
-    VArgs va;
+  if (do_v) {  // V pass
+    VArgs& va = B.v;
     va.v = *v;
     va.d_in = int(p.D);
     va.Hkv = p.Hkv, va.Lkv = p.Lkv, va.lk_pad = lk_pad, va.ntile = ceil_div(lk_pad, 128);
     va.v_amax = v_amax;
     va.v_f8 = ws_ptr<uint8_t>(base, L.v_f8);
     va.v_f8_lo = p.split_v() ? ws_ptr<uint8_t>(base, L.v_f8_lo) : nullptr;
-    const bool vec = vec_ok(*v);
-    if (!grid_ok(bhk * va.ntile)) return fail(SPARGE_ERR_UNSUPPORTED, "V pass grid too large");
-    cudaError_t err = cudaSuccess;
-    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      err = launch_pdl(v_pass_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
-                       dim3(unsigned(bhk * va.ntile)), dim3(decltype(dc)::value * 4), 0, stream, va);
-    });
-    SPARGE_PDL_CHECK(err, "sparge V pass kernel");
+    B.n_v = uint32_t(bhk * va.ntile);
+  }
+  if (fused_kpool) {  // pooled K minus the mean
+    SubMeanArgs& sa = B.sub;
+    sa.pooled = ws_ptr<float4>(base, L.pooled_k);
+    sa.mean = reinterpret_cast<const float4*>(k_mean);
+    sa.nKB = p.nKB;
+    sa.D4 = int(p.Dk / 4);
+    sa.total4 = bhk * p.nKB * p.Dk / 4;
+    B.n_sub = uint32_t(std::min<int64_t>(ceil_div(sa.total4, kThreads), 132 * 8));
   }
 
-  // 5. block scores from every key (estimator KEYS_LSE; the pooled Q of step 2 is ready)
+  const int64_t na = int64_t(A.n_col) + A.n_q + A.n_lists;
+  const int64_t nb = int64_t(B.n_ord) + B.n_k + B.n_v + B.n_q + B.n_sub;
+  // Every part's count is checked by predict_supported and list_args; their sums here.
+  if (na > int64_t(0x7fffffff) || nb > int64_t(0x7fffffff))
+    return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for the CUDA preparation's launch grids");
+  const bool vec = vec_ok(q) && vec_ok(k) && (!do_v || vec_ok(*v));
+  if (na > 0) {
+    cudaError_t err = cudaSuccess;
+    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
+      err = launch_pdl(stage_a_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
+                       dim3(unsigned(na)), dim3(kThreads), 0, stream, A);
+    });
+    SPARGE_PDL_CHECK(err, "sparge preparation kernel (stage A)");
+  }
+  if (nb > 0) {
+    const size_t smem = B.n_ord > 0 ? size_t(B.ord.nbins) * sizeof(int) : 0;
+    cudaError_t err = cudaSuccess;
+    sparge_status_t st = SPARGE_OK;
+    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
+      auto kern = stage_b_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>;
+      st = ensure_smem_attr(reinterpret_cast<const void*>(kern), int(smem), p.device_id);
+      if (st == SPARGE_OK) err = launch_pdl(kern, dim3(unsigned(nb)), dim3(kThreads), smem, stream, B);
+    });
+    SPARGE_TRY(st);
+    SPARGE_PDL_CHECK(err, "sparge preparation kernel (stage B)");
+  }
+  if (order_groups > 0) SPARGE_TRY(lists::launch_order(plan, B.ord, order_groups, stream));
+
+  // Block scores from every key (estimator KEYS_LSE; the pooled Q of stage A or B is ready).
   if (pool && cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) SPARGE_TRY(launch_key_scores(plan, k, ws, stream));
   return SPARGE_OK;
 }

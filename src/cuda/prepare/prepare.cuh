@@ -15,18 +15,13 @@ namespace cuda {
 // plan has room for them (predict_mask); pool = false skips the pooled means
 // and self-similarities (an attention run with the caller's mask predicts
 // nothing); lse_shift = false skips q_mu = scale * q . k_mean, which only the
-// LSE output reads (it is left unwritten).
+// LSE output reads (it is left unwritten). lists_mask (optional): the caller's
+// mask, whose index lists and work order (cuda/schedule/lists.cuh) then run in
+// the preparation's two launches instead of two of their own. Two launches
+// (prepare.cu), and the KEYS_LSE scores when that estimator predicts.
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
-                             bool lse_shift);
-
-namespace prep {
-// Step 1 of prepare_impl (column_stats.cu): the K column mean (do_k), the V
-// column max |.| (do_v), and with fused_kpool the smoothed pooled K means and
-// zero self-similarities of a prediction-only call.
-sparge_status_t launch_column_stats(const Plan& plan, const Tensor4& k, const Tensor4* v, bool do_k, bool do_v,
-                                    bool fused_kpool, void* ws, cudaStream_t stream);
-}  // namespace prep
+                             bool lse_shift, const MaskView* lists_mask = nullptr);
 
 }  // namespace cuda
 }  // namespace sparge
