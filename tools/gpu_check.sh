@@ -18,6 +18,8 @@
 #             subset of the GPU tests (small shapes)
 #   bench     sparge_bench (all workloads) and tools/bench/anchors.py (torch SDPA
 #             cuDNN / FLASH_ATTENTION, ceilings, accuracy vs float32 SDPA, side by side)
+#   grid      tools/bench/grid.py: the benchmark grid (B x N x D x causal) through the Python API,
+#             libsparge int8_fp8 dense and empty mask against torch SDPA cuDNN and FA2 (grid.csv, grid.md)
 #   ncusrc    Nsight Compute full set on the same kernel: pipe utilization, stall reasons,
 #             and a per-SASS-instruction CSV (sass_source.csv)
 #   ab        A/B against another source tree (AB_BASE): builds it into build-ab/, then
@@ -39,9 +41,12 @@
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
+#   GRID_ARGS (extra tools/bench/grid.py arguments, e.g. --sparse --pred)
+#   GRID_LIMIT_S (330: the grid stage's time limit; grid.py gets 30 s less as its --budget-s)
 #
 # Files written to $OUT (10 at most): build.log test.log sanitize.log bench.log
-# bench.csv anchors.csv ncu.log summary.txt, and with ncusrc: ncusrc.log sass_source.csv
+# bench.csv anchors.csv ncu.log summary.txt, and with ncusrc: ncusrc.log sass_source.csv;
+# the grid stage (only when named) writes grid.log grid.csv grid.md
 set -o pipefail
 set -u
 
@@ -261,6 +266,31 @@ if want bench; then
     st=ok
     [[ "${res[*]}" == *rc=* ]] && st=FAIL
     note bench $st $(($(date +%s) - s)) "${res[*]}"
+  fi
+fi
+
+# ---------------------------------------------------------------- grid
+# The benchmark grid through the Python API (tools/bench/grid.py) on this build's library. It needs
+# only libsparge.so and python3 with torch (CUDA); not in the default stage list.
+if want grid; then
+  banner grid
+  s=$(date +%s)
+  if [ ! -f "$BUILD/libsparge.so" ]; then
+    note grid skip 0 "no build ($BUILD/libsparge.so)"
+  else
+    lim=$(allow "${GRID_LIMIT_S:-330}")
+    gbud=$((lim > 60 ? lim - 30 : lim / 2))
+    # shellcheck disable=SC2086
+    run_to "$LOG/grid.log" "$lim" env PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench/grid.py" \
+      --lib "$BUILD/libsparge.so" --commit "$COMMIT" --budget-s "$gbud" --csv "$LOG/grid.csv" \
+      --md "$LOG/grid.md" ${GRID_ARGS:-}
+    rc=$?
+    line=$(grep -E '^grid: ' "$LOG/grid.log" | tail -n 1)
+    case $rc in
+      0) note grid ok $(($(date +%s) - s)) "$line" ;;
+      77) note grid skip $(($(date +%s) - s)) "no CUDA device for torch" ;;
+      *) note grid FAIL $(($(date +%s) - s)) "rc=$rc; ${line:-see grid.log}" ;;
+    esac
   fi
 fi
 
