@@ -64,6 +64,7 @@ struct Args {
   sparge_tensor_t qd{}, kd{}, vd{}, od{}, ld{}, md{};
   size_t wsb = 0;
   bool use_lse = true, use_mask = false;
+  float topk = 0.5f;
 
   Args(const Shape& s_, size_t wsb_, uint64_t seed) : s(s_), wsb(wsb_) {
     // The padded layout is the largest of the three.
@@ -92,8 +93,12 @@ struct Args {
   sparge_status_t launch(sparge_plan_t plan, cudaStream_t st) {
     out.fill(0xFF), lse.fill(0xFF);  // NaN in bf16 and float32
     SGT_CUDA(cudaDeviceSynchronize());
+    return call(plan, st);
+  }
+  // The call alone (nothing poisoned, no synchronization: capturable).
+  sparge_status_t call(sparge_plan_t plan, cudaStream_t st) {
     sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
-    prm.topk = 0.5f;
+    prm.topk = topk;
     return sparge_attention_run(plan, &qd, &kd, &vd, use_mask ? &md : nullptr, &prm, &od, use_lse ? &ld : nullptr,
                                 ws.get(), wsb, st);
   }
@@ -159,6 +164,61 @@ TEST_CASE("cache: other tensors on one plan give a fresh plan's results", "[gpu]
     CHECK(y.run(plan) == ry);
     CHECK(x.run(plan) == rx);
     sparge_destroy_plan(plan);
+  }
+}
+
+// From a key's second call on, the call replays a CUDA graph of its launches
+// (src/cuda/backend.cu): it must still read the inputs' current values, the
+// current parameters, and run on the stream it is given, also inside the
+// caller's own capture.
+TEST_CASE("cache: repeated calls (graph replay) read the current inputs, parameters and stream",
+          "[gpu][cache][graph]") {
+  const Shape s = shape();
+  for (sparge_precision_t prec : precisions()) {
+    for (int use_mask = 0; use_mask < 2; ++use_mask) {
+      INFO(precision_name(prec) << " mask " << use_mask);
+      size_t wsb = 0;
+      sparge_plan_t plan = make_plan(s, prec, &wsb);
+      Args a(s, wsb, case_seed("graph-a"));
+      a.use_mask = use_mask != 0;
+      const std::vector<uint16_t> r1 = a.run(plan);  // launches one by one
+      CHECK(r1 == a.run(plan));                      // captured, then replayed
+      CHECK(r1 == a.run(plan));                      // replayed
+      CHECK(r1 == a.fresh(prec));
+      a.set_inputs(Layout::HND, case_seed("graph-b"));  // same pointers and strides, new values
+      const std::vector<uint16_t> r2 = a.run(plan);
+      CHECK(r2 != r1);
+      CHECK(r2 == a.fresh(prec));
+      if (!a.use_mask) {  // the prediction's parameters are not part of the pointer key
+        a.topk = 0.25f;
+        const std::vector<uint16_t> r3 = a.run(plan);
+        CHECK(r3 != r2);
+        CHECK(r3 == a.fresh(prec));
+        CHECK(r3 == a.run(plan));
+        a.topk = 0.5f;
+        CHECK(r2 == a.run(plan));
+      }
+      cudaStream_t st = nullptr;
+      SGT_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      CHECK(r2 == a.run(plan, st));
+      // The caller captures a call whose key already has a graph.
+      a.out.fill(0xFF), a.lse.fill(0xFF);
+      SGT_CUDA(cudaDeviceSynchronize());
+      SGT_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      const sparge_status_t cs = a.call(plan, st);
+      cudaGraph_t g = nullptr;
+      SGT_CUDA(cudaStreamEndCapture(st, &g));
+      INFO("captured call: " << sparge_last_error());
+      REQUIRE(cs == SPARGE_OK);
+      cudaGraphExec_t ge = nullptr;
+      SGT_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      SGT_CUDA(cudaGraphLaunch(ge, st));
+      CHECK(r2 == a.result(st));
+      SGT_CUDA(cudaGraphExecDestroy(ge));
+      SGT_CUDA(cudaGraphDestroy(g));
+      SGT_CUDA(cudaStreamDestroy(st));
+      sparge_destroy_plan(plan);
+    }
   }
 }
 
