@@ -350,8 +350,8 @@ sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, co
     wk.data = ws_ptr<int32_t>(workspace, L.kept);
     wk.stride[0] = p.Hq;
     wk.stride[1] = 1;
-    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s));
-    SPARGE_TRY(launch_mask_to_lists(plan, wm, workspace, s));
+    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s, /*lists_too=*/true));
+    SPARGE_TRY(launch_work_order(plan, workspace, s));
   } else if (!lists_done) {
     SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));
   }

@@ -61,8 +61,12 @@ __host__ __device__ __forceinline__ int perm32(int kk) {
 // Q/K int8 quantization with pooled means and self-similarities, q_mu, the
 // fp8 V^T. Fills the corresponding workspace regions.
 // Pooled scores, softmax, selection, forced blocks -> uint8 mask (any strides) and kept counts.
+// lists_too: the mask must be the workspace's; the selection then also writes
+// the rows' index lists (idx, cnt), and only the work order remains to launch.
 sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
-                              const KeptView* kept, void* ws, cudaStream_t stream);
+                              const KeptView* kept, void* ws, cudaStream_t stream, bool lists_too = false);
+// The work order of index lists already in the workspace (cuda/schedule/work_lists.cu).
+sparge_status_t launch_work_order(const Plan& plan, void* ws, cudaStream_t stream);
 // Mask (any strides) -> idx/cnt/order in the workspace (causally invisible blocks dropped).
 sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, void* ws, cudaStream_t stream);
 

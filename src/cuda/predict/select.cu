@@ -7,6 +7,7 @@
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/predict/predict.cuh"
+#include "cuda/schedule/lists.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -141,6 +142,8 @@ struct SelectArgs {
   MaskView mask;
   int32_t* kept;
   int64_t kept_s0, kept_s1;
+  int32_t* idx;  // [B*Hq, nQB, nKB] or null: the rows' index lists too (cuda/schedule/lists.cuh)
+  int32_t* cnt;  // [B*Hq, nQB]
 };
 
 // Row keys: the P bit pattern + 1 for a candidate block (keys order like P), 0 for a block
@@ -339,12 +342,17 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
   }
   cnt = int(__reduce_add_sync(0xffffffffu, uint32_t(cnt)));
   if (lane == 0 && cnt > 0) atomicAdd(a.kept + b * a.kept_s0 + h * a.kept_s1, cnt);
+  if (a.idx != nullptr) {  // the attention's index list of this row, from the same flags
+    __syncwarp();
+    const int64_t row = int64_t(bh) * nQB + qb;
+    lists::emit_list([&](int64_t kb) { return sel[kb]; }, V, nKB, a.idx + row * nKB, a.cnt + row);
+  }
 }
 
 }  // namespace
 
 sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
-                              const KeptView* kept, void* ws, cudaStream_t stream) {
+                              const KeptView* kept, void* ws, cudaStream_t stream, bool lists_too) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
@@ -384,9 +392,12 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   se.sim_k = ws_ptr<float>(base, L.sim_k);
   se.mask = mask;
   se.kept = kept_ptr, se.kept_s0 = ks0, se.kept_s1 = ks1;
+  se.idx = lists_too ? ws_ptr<int32_t>(base, L.idx) : nullptr;
+  se.cnt = lists_too ? ws_ptr<int32_t>(base, L.cnt) : nullptr;
+  if (lists_too && (L.idx == 0 || L.cnt == 0))
+    return fail(SPARGE_ERR_INTERNAL, "CUDA selection: workspace layout lacks idx/cnt");
   const size_t smem = size_t(p.nKB) * (sizeof(uint32_t) + 1);
-  if (smem > 48 * 1024)
-    SPARGE_CUDA_TRY(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&select_kernel), int(smem), p.device_id));
   SPARGE_PDL_CHECK(launch_pdl(select_kernel, dim3(unsigned(bhq * p.nQB)), dim3(32), smem, stream, se),
                    "sparge block selection kernel");
   return SPARGE_OK;

@@ -19,19 +19,11 @@ struct ListArgs {
   int32_t* cnt;  // [B*Hq, nQB]
 };
 
-// One warp per (bh, qb) row: ballot-compaction of the nonzero mask entries
-// among the visible key blocks.
-__device__ __forceinline__ void mask_to_lists(const ListArgs& a, uint32_t cta) {
-  const Problem& p = a.prob;
+// One warp: the index list of one row, out[0..cnt) = the key blocks kb < V
+// with flag(kb) != 0, ascending (ballot compaction); *cnt_out = cnt.
+template <class Flag>
+__device__ __forceinline__ void emit_list(Flag&& flag, int64_t V, int64_t nKB, int32_t* out, int32_t* cnt_out) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(cta) * kListWarps + (threadIdx.x >> 5);
-  if (row >= p.B * p.Hq * p.nQB) return;
-  const int64_t qb = row % p.nQB, bh = row / p.nQB;
-  const int64_t b = bh / p.Hq, h = bh % p.Hq;
-  const int64_t V = visible_key_blocks(p, qb);
-  const uint8_t* mrow = a.mask.data + a.mask.offset(b, h, qb, 0);
-  const int64_t ms = a.mask.stride[3];
-  int32_t* out = a.idx + row * p.nKB;
   const uint32_t lt = (1u << lane) - 1u;
   int base = 0;
   for (int64_t kb0 = 0; kb0 < V; kb0 += 128) {
@@ -39,7 +31,7 @@ __device__ __forceinline__ void mask_to_lists(const ListArgs& a, uint32_t cta) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int64_t kb = kb0 + 32 * u + lane;
-      m[u] = kb < V ? mrow[kb * ms] : uint8_t(0);
+      m[u] = kb < V ? flag(kb) : uint8_t(0);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -49,12 +41,26 @@ __device__ __forceinline__ void mask_to_lists(const ListArgs& a, uint32_t cta) {
       base += __popc(bal);
     }
   }
-  if (lane == 0) a.cnt[row] = base;
+  if (lane == 0) *cnt_out = base;
   // The read-ahead contract (kListReadAhead, cuda/common/internal.cuh): the
   // attention kernels read the first entries of every row (one per listed
   // block of their first step) before they know the count; give unused ones
   // a defined value.
-  if (lane < kListReadAhead && lane >= base && lane < p.nKB) out[lane] = -1;
+  if (lane < kListReadAhead && lane >= base && lane < nKB) out[lane] = -1;
+}
+
+// One warp per (bh, qb) row: the list of the nonzero mask entries among the
+// visible key blocks.
+__device__ __forceinline__ void mask_to_lists(const ListArgs& a, uint32_t cta) {
+  const Problem& p = a.prob;
+  const int64_t row = int64_t(cta) * kListWarps + (threadIdx.x >> 5);
+  if (row >= p.B * p.Hq * p.nQB) return;
+  const int64_t qb = row % p.nQB, bh = row / p.nQB;
+  const int64_t b = bh / p.Hq, h = bh % p.Hq;
+  const uint8_t* mrow = a.mask.data + a.mask.offset(b, h, qb, 0);
+  const int64_t ms = a.mask.stride[3];
+  emit_list([&](int64_t kb) { return mrow[kb * ms]; }, visible_key_blocks(p, qb), p.nKB, a.idx + row * p.nKB,
+            a.cnt + row);
 }
 
 // Work order: group-major (one group = the query heads that share a K/V

@@ -78,5 +78,14 @@ sparge_status_t launch_mask_to_lists(const Plan& plan, const MaskView& mask, voi
   return launch_order(plan, oa, groups, stream);
 }
 
+sparge_status_t launch_work_order(const Plan& plan, void* ws, cudaStream_t stream) {
+  lists::ListArgs la;
+  lists::OrderArgs oa;
+  int64_t ctas = 0, groups = 0;
+  const MaskView none{};
+  SPARGE_TRY(lists::list_args(plan, none, ws, &la, &oa, &ctas, &groups));
+  return lists::launch_order(plan, oa, groups, stream);
+}
+
 }  // namespace cuda
 }  // namespace sparge
