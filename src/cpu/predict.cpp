@@ -59,6 +59,32 @@ void pool_block(const float* x, int64_t D, int64_t r0, int64_t r1, float* pooled
   *sim = float(u2 / (double(n) * double(n)));
 }
 
+// The pooled query row as the KEYS_LSE scores use it (docs/SEMANTICS.md, "Mask prediction", step 3):
+// rounded once to the keys' 16-bit type, the single term the CUDA kernel feeds to the tensor cores.
+// fp16 rows are first multiplied by 2^s, s = 15 - e for 2^(e-1) <= max_c |q_c| < 2^e (NaN entries
+// ignored; s = 0 when the maximum is 0 or infinite), clamped to [-64, 64]: the largest entry lands
+// in [2^14, 2^15), nothing overflows, and only entries 2^28 times smaller than the largest become
+// fp16 subnormals. Writes rn16(q_c 2^s) to out (exact in double) and returns 2^-s, the factor that
+// undoes the scaling after the dot product. float32 keys: the row as it is.
+double keys_lse_row(const float* q, int64_t D, sparge_dtype_t dt, double* out) {
+  if (dt == SPARGE_DTYPE_FLOAT16) {
+    float mx = 0.0f;
+    for (int64_t c = 0; c < D; ++c)
+      if (!std::isnan(q[c])) mx = std::max(mx, std::fabs(q[c]));
+    int s = 0;
+    if (mx > 0.0f && std::isfinite(mx)) {
+      int ex = 0;
+      std::frexp(mx, &ex);  // mx in [2^(ex-1), 2^ex)
+      s = std::min(std::max(15 - ex, -64), 64);
+    }
+    // (the scaling is exact, or its result is far below the fp16 range either way)
+    for (int64_t c = 0; c < D; ++c) out[c] = double(round_to(dt, std::ldexp(q[c], s)));
+    return std::ldexp(1.0, -s);
+  }
+  for (int64_t c = 0; c < D; ++c) out[c] = double(round_to(dt, q[c]));  // bf16: RNE; float32: unchanged
+  return 1.0;
+}
+
 float head_value(const float* per_head, int64_t h, float scalar) {
   return per_head ? per_head[h] : scalar;
 }
@@ -114,7 +140,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
     std::vector<double> e(static_cast<size_t>(nKB));
     std::vector<int64_t> order(static_cast<size_t>(nKB));
     std::vector<uint8_t> keep(static_cast<size_t>(nKB));
-    std::vector<double> sc(static_cast<size_t>(p.BK));
+    std::vector<double> sc(static_cast<size_t>(p.BK)), qr(static_cast<size_t>(D));
     for (int64_t qb = 0; qb < nQB; ++qb) {
       const int64_t vis = visible_key_blocks(p, qb);
       const float* pq = pooled_q + (bh * nQB + qb) * D;
@@ -128,20 +154,26 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
         const int64_t last_key = p.causal ? causal_last_key(std::min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv)
                                           : p.Lkv - 1;
         bool nonfinite = false;
+        // KEYS_LSE: the pooled row rounded to the keys' 16-bit type, and the score factor
+        const double kfac = keys_lse ? double(p.scale) * keys_lse_row(pq, D, k.dtype, qr.data()) : 0.0;
         for (int64_t kb = 0; kb < vis; ++kb) {
           float sf;
           if (keys_lse) {
-            // log sum_j exp(scale * pq . k_j) over the block's keys, each score rounded to float32
+            // log sum_j exp(scale * q' . k_j) over the block's keys, each score rounded to float32
+            // (the products of two 16-bit values are exact; an infinite k element gives +-Inf, or NaN
+            // where q'_c is 0). A -Inf score has weight 0; a block whose scores are all -Inf gets
+            // -Inf (a zero sum), one with a NaN or +Inf score NaN.
             const int64_t j0 = kb * p.BK, j1 = std::min({p.Lkv, j0 + p.BK, last_key + 1});
             double m = -INFINITY;
             for (int64_t j = j0; j < j1; ++j) {
               double d = 0.0;
-              for (int64_t c = 0; c < D; ++c) d += double(pq[c]) * double(kraw[size_t(j * D + c)]);
-              sc[size_t(j - j0)] = double(float(double(p.scale) * d));
-              m = std::max(m, sc[size_t(j - j0)]);
+              for (int64_t c = 0; c < D; ++c) d += qr[size_t(c)] * double(kraw[size_t(j * D + c)]);
+              sc[size_t(j - j0)] = double(float(kfac * d));
+              m = std::max(m, sc[size_t(j - j0)]);  // ignores NaN, which reaches the sum
             }
+            const double mb = m == -INFINITY ? 0.0 : m;
             double sum = 0.0;
-            for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[size_t(j - j0)] - m);
+            for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[size_t(j - j0)] - mb);
             sf = j1 > j0 ? float(m + std::log(sum)) : -INFINITY;
           } else {
             double s = 0.0;

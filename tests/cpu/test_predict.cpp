@@ -576,3 +576,240 @@ TEST_CASE("estimator KEYS_LSE keeps the blocks of largest per-key log-sum-exp", 
     CHECK(same_rows >= rows - 2);  // smoothing moves a row's scores alike: only float rounding can differ
   }
 }
+
+// ---------------------------------------------------------------- KEYS_LSE on 16-bit keys
+// The pooled query row enters the per-key scores rounded once to the keys' 16-bit type (fp16 rows
+// scaled by a power of two first), the single term the CUDA kernel multiplies on the tensor cores
+// (docs/SEMANTICS.md, "Mask prediction", step 3).
+namespace {
+
+// Test-side copy of the rule: the float32 pooled row q rounded to `dt` (fp16: times 2^s, s = 15 - e
+// for 2^(e-1) <= max |q_c| < 2^e, clamped to [-64, 64], NaN ignored, 0 for a zero or infinite max);
+// returns 2^-s.
+double round_pooled_row(const std::vector<double>& pq, sparge_dtype_t dt, std::vector<double>& out) {
+  out.assign(pq.size(), 0.0);
+  int s = 0;
+  if (dt == SPARGE_DTYPE_FLOAT16) {
+    double mx = 0.0;
+    for (double x : pq)
+      if (!std::isnan(x)) mx = std::max(mx, std::fabs(double(float(x))));
+    if (mx > 0.0 && std::isfinite(mx)) {
+      int e = 0;
+      std::frexp(mx, &e);
+      s = std::min(std::max(15 - e, -64), 64);
+    }
+  }
+  for (size_t c = 0; c < pq.size(); ++c) out[c] = round_dtype(dt, std::ldexp(float(pq[c]), s));
+  return std::ldexp(1.0, -s);
+}
+
+struct Pred16 {
+  sparge_problem_t prob;
+  HostTensor q, k, mask, kept;
+  int64_t nQB, nKB;
+};
+
+Pred16 make_pred16(sparge_dtype_t dt, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lkv, int64_t D, bool causal) {
+  Pred16 p;
+  p.prob = cpu_problem(1, Hq, Hkv, Lq, Lkv, D, dt, SPARGE_PRECISION_EXACT, causal);
+  p.prob.block_q = 64;
+  p.prob.block_k = 64;
+  p.nQB = ceil_div(Lq, 64);
+  p.nKB = ceil_div(Lkv, 64);
+  p.q = make_bhld(dt, 1, Hq, Lq, D, Layout::HND);
+  p.k = make_bhld(dt, 1, Hkv, Lkv, D, Layout::NHD);
+  for (int64_t h = 0; h < Hq; ++h)
+    for (int64_t i = 0; i < Lq; ++i)
+      for (int64_t d = 0; d < D; ++d) p.q.set(0, h, i, d, 0.0f);
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t j = 0; j < Lkv; ++j)
+      for (int64_t d = 0; d < D; ++d) p.k.set(0, h, j, d, 0.0f);
+  p.mask = make_dense(SPARGE_DTYPE_UINT8, {1, Hq, p.nQB, p.nKB});
+  p.kept = make_dense(SPARGE_DTYPE_INT32, {1, Hq});
+  return p;
+}
+
+sparge_predict_params_t lse_params(float topk) {
+  sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+  prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+  prm.topk = topk;
+  prm.attention_sink = 0;
+  prm.local_window = 0;
+  return prm;
+}
+
+}  // namespace
+
+TEST_CASE("estimator KEYS_LSE rounds the pooled row once to the keys' 16-bit type", "[cpu][predict][keys_lse]") {
+  // Query channel 0 alternates 1 and 1 + ulp(1): its pooled mean 1 + ulp/2 is a tie that rounds (to
+  // even) to 1. Block A's keys are (2, 0, 0), block B's (0, 2, 1) against the constant channels
+  // q_1 = 1, q_2 = ulp/2: unrounded A = 2 + ulp > B = 2 + ulp/2, rounded A = 2 < B. With one of the
+  // two blocks kept, 16-bit keys keep B; float32 keys (nothing rounded) keep A.
+  for (sparge_dtype_t dt : {SPARGE_DTYPE_BFLOAT16, SPARGE_DTYPE_FLOAT16, SPARGE_DTYPE_FLOAT32}) {
+    INFO("dtype " << int(dt));
+    const float ulp = dt == SPARGE_DTYPE_FLOAT16 ? 0x1p-10f : 0x1p-7f;  // spacing of [1, 2); float32: as bf16
+    Pred16 p = make_pred16(dt, 1, 1, 64, 128, 16, false);
+    for (int64_t i = 0; i < 64; ++i) {
+      p.q.set(0, 0, i, 0, i % 2 ? 1.0f + ulp : 1.0f);
+      p.q.set(0, 0, i, 1, 1.0f);
+      p.q.set(0, 0, i, 2, ulp / 2);
+    }
+    for (int64_t j = 0; j < 64; ++j) {
+      p.k.set(0, 0, j, 0, 2.0f);
+      p.k.set(0, 0, 64 + j, 1, 2.0f);
+      p.k.set(0, 0, 64 + j, 2, 1.0f);
+    }
+    Plan plan(p.prob);
+    const sparge_predict_params_t prm = lse_params(0.5f);
+    REQUIRE(run_predict(plan, p.q, p.k, &prm, p.mask, &p.kept) == SPARGE_OK);
+    const bool rounded = dt != SPARGE_DTYPE_FLOAT32;
+    CHECK(p.mask.get(0, 0, 0, 0) == (rounded ? 0.0f : 1.0f));
+    CHECK(p.mask.get(0, 0, 0, 1) == (rounded ? 1.0f : 0.0f));
+  }
+}
+
+TEST_CASE("estimator KEYS_LSE: fp16 pooled rows are scaled by a power of two before the rounding",
+          "[cpu][predict][keys_lse]") {
+  // Pooled entries in the fp16 subnormal range: channel 0 = 2^-20 + 2^-26 (the mean of 48 rows of
+  // 2^-20 and 16 of 2^-20 + 2^-24), channel 1 = 2^-20. Scaled by 2^34 both are exact in fp16; rounded
+  // unscaled (quantum 2^-24) channel 0 would lose its 2^-26. Block A's keys are (2^15, 0), block B's
+  // (0, 2^15 + 2^5): A = 2^-5 (1 + 2^-6) > B = 2^-5 (1 + 2^-10), but without the scaling A = 2^-5 < B.
+  Pred16 p = make_pred16(SPARGE_DTYPE_FLOAT16, 1, 1, 64, 128, 16, false);
+  for (int64_t i = 0; i < 64; ++i) {
+    p.q.set(0, 0, i, 0, i < 16 ? 0x1p-20f + 0x1p-24f : 0x1p-20f);
+    p.q.set(0, 0, i, 1, 0x1p-20f);
+  }
+  for (int64_t j = 0; j < 64; ++j) {
+    p.k.set(0, 0, j, 0, 32768.0f);
+    p.k.set(0, 0, 64 + j, 1, 32800.0f);
+  }
+  REQUIRE(p.q.get(0, 0, 0, 0) == 0x1p-20f + 0x1p-24f);  // representable (fp16 subnormals)
+  Plan plan(p.prob);
+  const sparge_predict_params_t prm = lse_params(0.5f);
+  REQUIRE(run_predict(plan, p.q, p.k, &prm, p.mask, &p.kept) == SPARGE_OK);
+  CHECK(p.mask.get(0, 0, 0, 0) == 1.0f);
+  CHECK(p.mask.get(0, 0, 0, 1) == 0.0f);
+}
+
+TEST_CASE("estimator KEYS_LSE on 16-bit keys keeps the top-k of the rounded-row scores", "[cpu][predict][keys_lse]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (sparge_dtype_t dt : {SPARGE_DTYPE_BFLOAT16, SPARGE_DTYPE_FLOAT16})
+    for (bool causal : {false, true}) {
+      INFO("dtype " << int(dt) << " causal " << causal);
+      const int64_t Hq = 4, Hkv = 2, Lq = 640, Lkv = 900, D = 32, g = Hq / Hkv;
+      Pred16 p = make_pred16(dt, Hq, Hkv, Lq, Lkv, D, causal);
+      // fp16: small query rows (pooled entries near 2^-12, scaled by 2^26 before the rounding) against
+      // keys of 2^10, so that the scores are of order 1 for both types
+      const float qs = dt == SPARGE_DTYPE_FLOAT16 ? 0x1p-10f : 1.0f, ks = dt == SPARGE_DTYPE_FLOAT16 ? 0x1p10f : 1.0f;
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t i = 0; i < Lq; ++i)
+          for (int64_t d = 0; d < D; ++d) p.q.set(0, h, i, d, qs * (nd(rng) + 0.3f * float(d % 3)));
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t j = 0; j < Lkv; ++j)
+          for (int64_t d = 0; d < D; ++d) p.k.set(0, h, j, d, ks * nd(rng));
+      Plan plan(p.prob);
+      const sparge_predict_params_t prm = lse_params(0.3f);
+      REQUIRE(run_predict(plan, p.q, p.k, &prm, p.mask, &p.kept) == SPARGE_OK);
+      const double scale = 1.0 / std::sqrt(double(D));
+      int64_t rows = 0, checked = 0;
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t qb = 0; qb < p.nQB; ++qb) {
+          const int64_t r0 = qb * 64, r1 = std::min(Lq, r0 + 64);
+          const int64_t last_key = causal ? std::min(Lkv - 1, r1 - 1 + Lkv - Lq) : Lkv - 1;
+          const int64_t vis = last_key / 64 + 1;
+          std::vector<double> pq(size_t(D), 0.0), qr;
+          for (int64_t i = r0; i < r1; ++i)
+            for (int64_t d = 0; d < D; ++d) pq[size_t(d)] += p.q.get(0, h, i, d);
+          for (double& x : pq) x = double(float(x / double(r1 - r0)));  // the library keeps it in float32
+          const double fac = scale * round_pooled_row(pq, dt, qr);
+          // block scores of the rounded row
+          std::vector<double> sc(static_cast<size_t>(vis));
+          for (int64_t kb = 0; kb < vis; ++kb) {
+            double m = -INFINITY;
+            std::vector<double> v;
+            for (int64_t j = kb * 64; j < std::min(last_key + 1, kb * 64 + 64); ++j) {
+              double dot = 0.0;
+              for (int64_t d = 0; d < D; ++d) dot += qr[size_t(d)] * p.k.get(0, h / g, j, d);
+              v.push_back(fac * dot);
+              m = std::max(m, v.back());
+            }
+            double sum = 0.0;
+            for (double x : v) sum += std::exp(x - m);
+            sc[size_t(kb)] = m + std::log(sum);
+          }
+          const int64_t n = topk_n(0.3f, vis);
+          // causal: the first diagonal block is forced into the budget
+          int64_t forced = -1;
+          if (causal) forced = std::min(Lkv - 1, std::max<int64_t>(0, r0 + Lkv - Lq)) / 64;
+          std::vector<int64_t> order;
+          for (int64_t kb = 0; kb < vis; ++kb)
+            if (kb != forced) order.push_back(kb);
+          auto top = [&](const std::vector<double>& s) {
+            std::vector<int64_t> o(order);
+            std::stable_sort(o.begin(), o.end(), [&](int64_t a, int64_t b) { return s[size_t(a)] > s[size_t(b)]; });
+            return o;
+          };
+          const int64_t m = n - (forced >= 0 ? 1 : 0);
+          const std::vector<int64_t> want = top(sc);
+          ++rows;
+          if (m <= 0 || m >= int64_t(want.size())) continue;
+          if (sc[size_t(want[size_t(m - 1)])] - sc[size_t(want[size_t(m)])] < 1e-5) continue;  // near tie
+          for (int64_t t = 0; t < int64_t(want.size()); ++t)
+            CHECK(p.mask.get(0, h, qb, want[size_t(t)]) == (t < m ? 1.0f : 0.0f));
+          ++checked;
+        }
+      CHECK(checked > rows / 2);
+    }
+}
+
+TEST_CASE("estimator KEYS_LSE: an infinite key element, against the rounded pooled row", "[cpu][predict][keys_lse]") {
+  // Query channel 0 is 1 in every row (q'_0 = 1), channel 1 is 0 (q'_1 = 0), the rest random. One key
+  // of block 5 with k_0 = +inf scores +inf: its block is NaN and every row keeps all its visible
+  // blocks. k_0 = -inf scores -inf: weight 0, the masks are those with that key's k_0 = -60000 (a
+  // finite score whose exponential is 0 in float64 too). A block whose keys all score -inf gets -inf
+  // (non-finite): every row that sees it keeps all its visible blocks. k_1 = inf meets q'_1 = 0:
+  // 0 * inf = NaN, every row keeps all.
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (sparge_dtype_t dt : {SPARGE_DTYPE_BFLOAT16, SPARGE_DTYPE_FLOAT16}) {
+    INFO("dtype " << int(dt));
+    const int64_t L = 1024, D = 16;
+    Pred16 base = make_pred16(dt, 1, 1, L, L, D, false);
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t d = 0; d < D; ++d) base.q.set(0, 0, i, d, d == 0 ? 1.0f : d == 1 ? 0.0f : nd(rng));
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t d = 0; d < D; ++d) base.k.set(0, 0, j, d, nd(rng));
+    Plan plan(base.prob);
+    const sparge_predict_params_t prm = lse_params(0.25f);
+    const int64_t nKB = base.nKB, nQB = base.nQB;
+    auto run = [&](const std::function<void(HostTensor&)>& edit) {
+      HostTensor k = make_bhld(dt, 1, 1, L, D, Layout::NHD);
+      copy_logical(base.k, k);
+      edit(k);
+      REQUIRE(run_predict(plan, base.q, k, &prm, base.mask, &base.kept) == SPARGE_OK);
+      std::vector<float> m;
+      for (int64_t qb = 0; qb < nQB; ++qb)
+        for (int64_t kb = 0; kb < nKB; ++kb) m.push_back(base.mask.get(0, 0, qb, kb));
+      return m;
+    };
+    auto all_kept = [&](const std::vector<float>& m) {
+      return std::all_of(m.begin(), m.end(), [](float x) { return x == 1.0f; });
+    };
+    const int64_t j = 5 * 64 + 17;
+    const auto plain = run([](HostTensor&) {});
+    CHECK(!all_kept(plain));
+    CHECK(all_kept(run([&](HostTensor& k) { k.set(0, 0, j, 0, INFINITY); })));
+    const auto minus = run([&](HostTensor& k) { k.set(0, 0, j, 0, -INFINITY); });
+    CHECK(!all_kept(minus));
+    CHECK(minus == run([&](HostTensor& k) { k.set(0, 0, j, 0, -60000.0f); }));
+    CHECK(all_kept(run([&](HostTensor& k) {
+      for (int64_t t = 5 * 64; t < 6 * 64; ++t) k.set(0, 0, t, 0, -INFINITY);
+    })));
+    CHECK(all_kept(run([&](HostTensor& k) { k.set(0, 0, j, 1, INFINITY); })));
+  }
+}

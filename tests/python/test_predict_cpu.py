@@ -122,6 +122,26 @@ def test_estimator_option(rng):
         sparge.predict_mask(q, k, estimator="max")
 
 
+def test_keys_lse_rounds_the_pooled_row_to_the_key_type():
+    # docs/SEMANTICS.md, "Mask prediction" 3: with 16-bit keys the pooled query row is rounded once to their
+    # type. Channel 0 alternates 1 and 1 + ulp: its mean 1 + ulp/2 rounds (to even) to 1. Block 0's keys are
+    # (2, 0, 0), block 1's (0, 2, 1) against q_1 = 1, q_2 = ulp/2: unrounded block 0 scores higher, rounded
+    # block 1 does. float32 keys are not rounded.
+    ulp = 2.0 ** -10
+    for dt, want in ((np.float16, [0, 1]), (np.float32, [1, 0])):
+        q = np.zeros((1, 1, 64, 16), dt)
+        k = np.zeros((1, 1, 128, 16), dt)
+        q[0, 0, :, 0] = np.where(np.arange(64) % 2 == 1, 1 + ulp, 1.0)
+        q[0, 0, :, 1] = 1.0
+        q[0, 0, :, 2] = ulp / 2
+        k[0, 0, :64, 0] = 2.0
+        k[0, 0, 64:, 1] = 2.0
+        k[0, 0, 64:, 2] = 1.0
+        m = sparge.predict_mask(q, k, topk=0.5, estimator="keys_lse", attention_sink=False, local_window=0,
+                                block_size=(64, 64), precision="exact")
+        assert np.asarray(m)[0, 0, 0].tolist() == want, dt
+
+
 @pytest.mark.parametrize("bad", [-1, 1025, 1.5, True, "2"])
 def test_local_window_checked(rng, bad):
     q, k, _ = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=128, Lkv=128, D=16)

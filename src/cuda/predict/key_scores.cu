@@ -1,41 +1,46 @@
 // Block scores of the estimator KEYS_LSE on the tensor cores (mma.sync, sm_80 and newer):
-//   scores[bh, qb, kb] = log sum_j exp(float32(scale * pooled_q[bh, qb] . k_j))
-// over the keys j of block kb that the last row of qb sees (docs/SEMANTICS.md, "Mask prediction").
+//   scores[bh, qb, kb] = log sum_j exp(float32(scale * q'[bh, qb] . k_j))
+// over the keys j of block kb that the last row of qb sees, q' the pooled query row rounded once
+// to K's 16-bit type (docs/SEMANTICS.md, "Mask prediction").
 //
 // Work: per kv head, the g = Hq/Hkv heads' pooled query rows (g*nQB rows of Dk float32) times
 // K^T (Dk x Lkv, the caller's 16-bit keys), then one log-sum-exp per (row, 64-key block).
 //
-// Precision. K is exact in its 16-bit type. A pooled row q (float32) is split into
-// hi = rn16(q) and lo = rn16(q - hi) (q - hi is exact in float32), and both halves go through
-// an m16n8k16 MMA with float32 accumulation: q.k = hi.k + lo.k + e, |e| <= u^2 sum_c |q_c k_c|
-// with u the unit roundoff of the 16-bit type (fp16 2^-11: 2^-22; bf16 2^-8: 2^-16), plus the
-// float32 accumulation error. For fp16, whose exponent range is narrow, each row is first
-// multiplied by a power of two 2^s (exact) that puts its largest |q_c| in [2^14, 2^15), so that
-// neither half overflows nor falls into the fp16 subnormals; the products are undone by the
-// per-row factor scale * 2^-s (exact) applied to the float32 dot product. bf16 needs no scaling
-// (float32's exponent range). The scores are float32(scale * dot) as in the CPU reference, up to
-// that error; the exponentials use ex2.approx (relative error ~2^-22, far below it).
+// Precision. The float32 pooled row q goes into the MMA as a single term q' = rn16(q): bf16 rounds
+// to nearest even; fp16 first multiplies the row by a power of two 2^s (exact) that puts its
+// largest finite |q_c| in [2^14, 2^15), so that no entry overflows and only entries more than 2^28
+// times smaller than the largest fall into the fp16 subnormals (s = 15 - e for 2^(e-1) <= max < 2^e,
+// clamped to [-64, 64], 0 for a zero or non-finite maximum, NaN entries ignored). K is exact in its
+// 16-bit type, every product q'_c k_c is exact in float32, the m16n8k16 MMA accumulates in float32,
+// and the per-row factor scale * 2^-s (exact) undoes the scaling. This is the CPU reference's
+// function (src/cpu/predict.cpp) up to the float32 accumulation: the rounding of q itself, a
+// relative error of at most 2^-8 (bf16) or 2^-11 (fp16) per entry, is part of the definition, not
+// an error against it. The factor is folded into the exponentials: the row's max m over its raw
+// accumulators (scale > 0), then 2^(acc * f - m * f) with f = scale * 2^-s * log2(e) (ex2.approx,
+// relative error ~2^-22), and the block score m * scale * 2^-s + ln(sum).
 //
 // Non-finite values (docs/SEMANTICS.md, "Non-finite values"): a NaN key score (a NaN in k or in
-// the pooled row) makes the block score NaN, and a +Inf one makes it NaN too (inf - inf in the
-// log-sum-exp), so the selection keeps every visible block of the row; a block whose visible
-// scores are all -inf or NaN gets -inf or NaN. Keys past Lkv and keys the row does not see are
-// excluded (zero-filled by the loads, set to -inf before the reduction). One difference from the
-// CPU reference: an infinite k element meets q as two products, hi*k + lo*k, which is NaN when lo
-// is 0 or of the other sign than hi, where the CPU's single product is +-Inf; a -Inf key score
-// drops out of the CPU's log-sum-exp (exp(-inf) = 0), while here the row keeps every visible block.
+// the pooled row, or 0 * inf) makes the block score NaN, and a +Inf one makes it NaN too
+// (inf - inf), so the selection keeps every visible block of the row. A -Inf key score (an
+// infinite k element against a pooled entry of the other sign) has weight exp(-inf) = 0 in its
+// block; a block whose visible scores are all -Inf gets -Inf, which is non-finite too. An infinite
+// k element meets q as one product q'_c k_c, as in the CPU reference (NaN exactly where q'_c is
+// 0), so both backends agree on these cases. Keys past Lkv and keys the row does not see are
+// excluded (zero-filled by the loads, masked before the reduction).
 //
-// CTA: 8 warps, 128 pooled rows (row r of a kv head's g*nQB rows is query block r / g of head
-// hk*g + r % g, so the query heads sharing K go through one CTA and rows of one CTA have
-// nearly the same causal extent), 32 tiles of 64 keys streamed through a cp.async ring (16-byte
-// copies, zero-fill past Lkv and past the head dim; scalar loads when K is not 16-byte aligned).
-// Warp w owns rows 16w..16w+15: their hi/lo A fragments stay in registers for the whole key
-// range; per tile it computes the 16 x 64 score tile (Dk/16 k-steps x 8 n-tiles x 2 MMAs, B
-// fragments by ldmatrix from an XOR-swizzled tile) in two halves of 32 keys, masks, keeps a running
-// max and sum of exponentials per row and thread, and merges them over the 4 lanes of a quad that
-// hold a row. With causality a warp skips the tiles past its own rows' extent (the CTA loads
-// them for its other warps). CTAs are ordered row chunk fastest, so the CTAs reading the same
-// keys run together and share them through L2.
+// CTA: 128 pooled rows (row r of a kv head's g*nQB rows is query block r / g of head hk*g + r % g,
+// so the query heads sharing K go through one CTA and rows of one CTA have nearly the same causal
+// extent), 32 tiles of 64 keys streamed through a cp.async ring (16-byte copies, zero-fill past
+// Lkv and past the head dim; scalar loads when K is not 16-byte aligned). A warp owns kMt
+// consecutive 16-row MMA tiles (Dk <= 128: 2, so 4 warps; Dk = 256: 1, 8 warps): their A
+// fragments stay in registers for the whole key range, and every B fragment of K (ldmatrix from an
+// XOR-swizzled tile) feeds kMt MMAs. Per tile a warp computes the whole 16 kMt x 64 score tile in
+// registers (Dk/16 k-steps x 8 n-tiles per row tile), takes each row's max over the 4 lanes of its
+// quad, sums the exponentials and merges the sums over the quad: no running state across tiles.
+// Tiles that every row of the warp sees whole skip the masking. With causality a warp skips the
+// tiles past its rows' extent, and the tiles past the extent of its first row tile multiply the
+// second one only (the CTA loads them for its other warps). CTAs are ordered row chunk fastest, so
+// the CTAs reading the same keys run together and share them through L2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -49,11 +54,9 @@ namespace sparge {
 namespace cuda {
 namespace {
 
-constexpr int kKsWarps = 8;
-constexpr int kKsThreads = 32 * kKsWarps;
-constexpr int kKsRows = 16 * kKsWarps;  // pooled rows per CTA
-constexpr int kKsKeys = 64;             // keys per tile (one key block)
-constexpr int kKsTiles = 32;            // key tiles per CTA (2048 keys)
+constexpr int kKsRows = 128;  // pooled rows per CTA
+constexpr int kKsKeys = 64;   // keys per tile (one key block)
+constexpr int kKsTiles = 32;  // key tiles per CTA (2048 keys)
 
 template <int DK>
 struct KsTraits {
@@ -63,9 +66,16 @@ struct KsTraits {
   static constexpr int kRowBytes = DK * 2;
   static constexpr int kStageBytes = kKsKeys * kRowBytes;
   static constexpr int kStages = DK <= 128 ? 3 : 2;
-  static constexpr int kSmem = kStages * kStageBytes;    // 48 KB at DK = 128, 64 KB at 256
-  static constexpr int kLoads = kKsKeys * kChunks / kKsThreads;  // 16-byte chunks per thread and tile
-  static constexpr int kMinBlocks = DK <= 128 ? 2 : 1;  // register budget: A fragments are 8*kSteps registers
+  static constexpr int kSmem = kStages * kStageBytes;    // 24 KB at DK = 64, 48 KB at 128, 64 KB at 256
+  // 16-row MMA tiles per warp: A fragments 4 * kSteps registers per tile, accumulators 32 per tile.
+  // (DK == 64 ? 2 : 1, i.e. 8 warps of 16 rows at DK = 128, also builds without spills: the variant
+  // to compare against, docs/PERF-NOTES.md v35.)
+  static constexpr int kMt = DK <= 128 ? 2 : 1;
+  static constexpr int kWarps = kKsRows / (16 * kMt);
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kLoads = kKsKeys * kChunks / kThreads;  // 16-byte chunks per thread and tile
+  // CTAs per SM the registers are budgeted for (65536 / (kThreads * kMinBlocks) per thread)
+  static constexpr int kMinBlocks = DK == 64 ? 3 : DK == 128 ? 2 : 1;
 };
 
 struct KsArgs {
@@ -118,24 +128,18 @@ __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// (x0, x1) -> packed hi = rn16(x) and lo = rn16(x - hi), low half first.
+// (x0, x1) -> packed rn16(x), low half first (round to nearest even).
 template <class T>
-__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo);
+__device__ __forceinline__ uint32_t round2(float x0, float x1);
 template <>
-__device__ __forceinline__ void split2<__half>(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+__device__ __forceinline__ uint32_t round2<__half>(float x0, float x1) {
   const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 hf = __half22float2(h);
-  const __half2 l = __floats2half2_rn(__fsub_rn(x0, hf.x), __fsub_rn(x1, hf.y));
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 template <>
-__device__ __forceinline__ void split2<__nv_bfloat16>(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+__device__ __forceinline__ uint32_t round2<__nv_bfloat16>(float x0, float x1) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(__fsub_rn(x0, hf.x), __fsub_rn(x1, hf.y));
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 __device__ __forceinline__ float ex2_approx(float x) {
@@ -152,52 +156,141 @@ __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) 
 template <int DK, class T>
 struct TileLoader {
   using Tr = KsTraits<DK>;
-  static constexpr int kRowStep = kKsThreads / Tr::kChunks;
-  static_assert(kKsThreads % Tr::kChunks == 0 && kRowStep * Tr::kLoads == kKsKeys && kRowStep % 8 == 0,
+  static constexpr int kRowStep = Tr::kThreads / Tr::kChunks;
+  static_assert(Tr::kThreads % Tr::kChunks == 0 && kRowStep * Tr::kLoads == kKsKeys && kRowStep % 8 == 0,
                 "tile load split (every row of a thread has the same r & 7)");
-  const T* col;        // k[b, hk, 0, 8c]
-  int64_t rs;          // key row stride (elements)
-  int32_t lkv;         // <= kMaxKeyBlocks * 64 (predict_supported)
-  uint32_t soff;       // shared offset of row r0, chunk c ^ (r0 & 7)
-  int r0, c;
-  bool cok;            // chunk inside the head dim
+  const unsigned char* col;  // k[b, hk, 0, 8c] (k[b, hk, 0, 0] for a chunk past the head dim): always readable
+  const unsigned char* src;  // col + r0 rows
+  int64_t rsb;               // key row stride in bytes
+  int32_t lkv;               // <= kMaxKeyBlocks * 64 (predict_supported)
+  int32_t r0;
+  uint32_t soff;             // shared offset of row r0, chunk c ^ (r0 & 7)
+  uint32_t bytes;            // 16, or 0 for a chunk past the head dim (zero-filled, nothing read)
   __device__ __forceinline__ TileLoader(const KsArgs& a, uint32_t b, uint32_t hk) {
     const int tid = int(threadIdx.x);
-    c = tid % Tr::kChunks;
+    const int c = tid % Tr::kChunks;
     r0 = tid / Tr::kChunks;
-    cok = c * 8 < int(a.prob.D);
-    col = static_cast<const T*>(a.k.data) + (cok ? a.k.offset(b, hk, 0, c * 8) : 0);
-    rs = a.k.stride[2];
+    const bool cok = c * 8 < int(a.prob.D);
+    col = reinterpret_cast<const unsigned char*>(static_cast<const T*>(a.k.data) +
+                                                 a.k.offset(b, hk, 0, cok ? c * 8 : 0));
+    rsb = a.k.stride[2] * int64_t(sizeof(T));
+    src = col + int64_t(r0) * rsb;
     lkv = int32_t(a.prob.Lkv);
     soff = uint32_t(r0 * Tr::kRowBytes + ((c ^ (r0 & 7)) << 4));
+    bytes = cok ? 16u : 0u;
+  }
+  template <bool VEC>
+  __device__ __forceinline__ void copy(const unsigned char* p, uint32_t n, uint32_t stage, unsigned char* stage_ptr,
+                                       uint32_t off) const {
+    if constexpr (VEC) {
+      cp_async16(stage + off, p, n);
+    } else {
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (n != 0) v = load8_raw<false>(p);
+      *reinterpret_cast<uint4*>(stage_ptr + off) = v;
+    }
   }
   // One 64-key tile (keys j0..j0+63) into a stage: key row r, chunk c stored at chunk c ^ (r & 7)
   // of the row (the 8 rows an ldmatrix reads fall into 8 different bank groups). Keys past Lkv and
   // columns past the head dim are zeros.
   template <bool VEC>
   __device__ __forceinline__ void load(int32_t j0, uint32_t stage, unsigned char* stage_ptr) const {
+    const unsigned char* p = src + int64_t(j0) * rsb;
+    const int64_t step = int64_t(kRowStep) * rsb;
+    if (j0 + kKsKeys <= lkv) {  // warp-uniform: every key of the tile exists
 #pragma unroll
-    for (int i = 0; i < Tr::kLoads; ++i) {
-      const int32_t j = j0 + r0 + i * kRowStep;
-      const bool ok = cok && j < lkv;
-      const uint32_t off = soff + uint32_t(i * kRowStep * Tr::kRowBytes);
-      const T* src = col + (ok ? int64_t(j) * rs : int64_t(0));
-      if constexpr (VEC) {
-        cp_async16(stage + off, src, ok ? 16u : 0u);
-      } else {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (ok) v = load8_raw<false>(src);
-        *reinterpret_cast<uint4*>(stage_ptr + off) = v;
+      for (int i = 0; i < Tr::kLoads; ++i, p += step)
+        copy<VEC>(p, bytes, stage, stage_ptr, soff + uint32_t(i * kRowStep * Tr::kRowBytes));
+    } else {
+#pragma unroll
+      for (int i = 0; i < Tr::kLoads; ++i, p += step) {
+        const bool ok = j0 + r0 + i * kRowStep < lkv;
+        copy<VEC>(ok ? p : col, ok ? bytes : 0u, stage, stage_ptr, soff + uint32_t(i * kRowStep * Tr::kRowBytes));
       }
     }
   }
 };
 
+// A warp's rows: kMt tiles of 16, the thread's rows gq and gq + 8 of each.
+template <int DK, class T>
+struct WarpRows {
+  using Tr = KsTraits<DK>;
+  static constexpr int KS = Tr::kSteps, MT = Tr::kMt;
+  uint32_t a[MT][KS][4];  // A fragments of q': (ks, {rows gq / gq+8 x columns c, c+1; the same x c+8, c+9})
+  float fac[MT][2];       // scale * 2^-s
+  float f2[MT][2];        // fac * log2(e)
+  int32_t last[MT][2];    // last visible key of the row (-1: none, or a padding row)
+  int64_t srow[MT][2];    // score row offset (bh * nQB + qb) * nKB
+
+  // The score tile of key tile `tile` (keys j0..j0+63, in shared memory at sbase + this lane's
+  // ldmatrix row) for row tiles M0..MT-1, and its block scores. MASK: some row does not see every
+  // key of the tile (causal extent, or keys past Lkv).
+  template <int M0, bool MASK>
+  __device__ __forceinline__ void tile_scores(uint32_t sbase, int lsel, int lxor, int tq, int32_t j0, int64_t tile,
+                                              float* scores) const {
+    constexpr float kLn2 = 0.6931471805599453f;
+    // acc[mt][n][2r + e]: row gq + 8r of tile mt, key 8n + 2tq + e
+    float acc[MT][8][4];
+#pragma unroll
+    for (int mt = M0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][n][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint32_t coff = uint32_t(((2 * ks + lsel) ^ lxor) << 4);
+      uint32_t bf[4][4];  // keys 16 np .. 16 np + 15
+#pragma unroll
+      for (int np = 0; np < 4; ++np) ldmatrix_x4(sbase + uint32_t(np * 16 * Tr::kRowBytes) + coff, bf[np]);
+#pragma unroll
+      for (int np = 0; np < 4; ++np)
+#pragma unroll
+        for (int mt = M0; mt < MT; ++mt) {
+          mma16816<T>(acc[mt][2 * np], a[mt][ks], bf[np][0], bf[np][1]);
+          mma16816<T>(acc[mt][2 * np + 1], a[mt][ks], bf[np][2], bf[np][3]);
+        }
+    }
+#pragma unroll
+    for (int mt = M0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int32_t lim = last[mt][r] - j0;  // keys 0..lim of the tile are visible; < 0: none (not written)
+        // max over the row's visible raw dot products (scale > 0: the order of the scores); a NaN
+        // is ignored here and reaches the sum below
+        float m = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = acc[mt][n][2 * r + e];
+            m = fmaxf(m, MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : x);
+          }
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        // m == -inf: every visible term is -inf (weight 0) or NaN (stays NaN); no inf - inf
+        const float mb = m == -INFINITY ? 0.f : m * f2[mt][r];
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float t = fmaf(acc[mt][n][2 * r + e], f2[mt][r], -mb);
+            sum += ex2_approx(MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : t);
+          }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (tq == 0 && lim >= 0) scores[srow[mt][r] + tile] = fmaf(m, fac[mt][r], __log2f(sum) * kLn2);
+      }
+  }
+};
+
 template <int DK, class T, bool VEC>
-__global__ void __launch_bounds__(kKsThreads, KsTraits<DK>::kMinBlocks) key_scores_mma_kernel(const KsArgs a) {
+__global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBlocks)
+    key_scores_mma_kernel(const KsArgs a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   using Tr = KsTraits<DK>;
-  constexpr int KS = Tr::kSteps;
+  constexpr int KS = Tr::kSteps, MT = Tr::kMt;
   extern __shared__ __align__(128) unsigned char ks_smem[];
   const Problem& p = a.prob;
 
@@ -215,9 +308,26 @@ __global__ void __launch_bounds__(kKsThreads, KsTraits<DK>::kMinBlocks) key_scor
   const int ntiles = int(t_end - t_begin);
 
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
-  // the warp's own extent: tiles past it are loaded for the other warps but not multiplied (causal)
-  const int64_t wrow_last = min(a.rows, row0 + 16 * warp + 16) - 1;
-  const int64_t wvis = wrow_last < row0 + 16 * warp ? 0 : visible_key_blocks(p, wrow_last / g);
+  // last visible key of query block qb's last row
+  auto row_last_key = [&](int64_t qb) {
+    int64_t lk = p.Lkv - 1;
+    if (p.causal) lk = min(lk, causal_last_key(min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv));
+    return int32_t(max(lk, int64_t(-1)));
+  };
+  // Per row tile of the warp: its extent (tiles past it are loaded for the other warps but not
+  // multiplied; a tile of padding rows only takes the extent of the tile before it, so that the
+  // extents do not decrease in mt), and the last visible key of the warp's first row, the smallest
+  // of its rows (a key tile up to it needs no mask).
+  int64_t mvis[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int64_t first = row0 + 16 * (MT * warp + mt);
+    const int64_t lastr = min(a.rows, first + 16) - 1;
+    mvis[mt] = lastr < first ? 0 : visible_key_blocks(p, lastr / g);
+    if (mt > 0) mvis[mt] = max(mvis[mt], mvis[mt - 1]);
+  }
+  const int64_t wfirst = row0 + 16 * MT * warp;
+  const int32_t kmin = wfirst < a.rows ? row_last_key(wfirst / g) : -1;
 
   const uint32_t smem0 = smem_u32(ks_smem);
   const TileLoader<DK, T> ld(a, b, hk);
@@ -225,84 +335,79 @@ __global__ void __launch_bounds__(kKsThreads, KsTraits<DK>::kMinBlocks) key_scor
 #pragma unroll
   for (int s = 0; s < Tr::kStages - 1; ++s) {
     if (s < ntiles)
-      ld.template load<VEC>(int32_t(t_begin + s) * kKsKeys, smem0 + s * Tr::kStageBytes, ks_smem + s * Tr::kStageBytes);
+      ld.template load<VEC>(int32_t(t_begin + s) * kKsKeys, smem0 + s * Tr::kStageBytes,
+                            ks_smem + s * Tr::kStageBytes);
     cp_async_commit();
   }
 
   const int gq = lane >> 2, tq = lane & 3;  // group (row) and thread-in-group of the MMA fragments
   const int D = int(p.D);
 
-  // the thread's two rows: gq and gq + 8 of the warp's 16
-  int64_t srow[2];     // score row offset (bh * nQB + qb) * nKB, or -1 for a padding row
-  int32_t last[2];     // last visible key of the row (-1: none)
-  float fac[2];        // scale * 2^-s
-  float xv[2][KS][4];  // the row's float32 values at the fragment positions: (ks, {c, c+1, c+8, c+9})
+  WarpRows<DK, T> wr;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = row0 + 16 * warp + gq + 8 * r;
-    srow[r] = -1;
-    last[r] = -1;
-    const float* pq = nullptr;
-    if (row < a.rows) {
-      const int64_t qb = row / g, h = int64_t(hk) * g + row % g, bh = int64_t(b) * p.Hq + h;
-      pq = a.pooled_q + (bh * p.nQB + qb) * DK;
-      srow[r] = (bh * p.nQB + qb) * p.nKB;
-      int64_t lk = p.Lkv - 1;
-      if (p.causal) lk = min(lk, causal_last_key(min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv));
-      last[r] = int32_t(max(lk, int64_t(-1)));
-    }
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int c = ks * 16 + 8 * hh + 2 * tq;
-        float2 v = make_float2(0.f, 0.f);
-        if (pq != nullptr && c < D) v = *reinterpret_cast<const float2*>(pq + c);
-        xv[r][ks][2 * hh] = v.x;
-        xv[r][ks][2 * hh + 1] = v.y;
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row0 + 16 * (MT * warp + mt) + gq + 8 * r;
+      wr.srow[mt][r] = 0;
+      wr.last[mt][r] = -1;
+      const float* pq = nullptr;
+      if (row < a.rows) {
+        const int64_t qb = row / g, h = int64_t(hk) * g + row % g, bh = int64_t(b) * p.Hq + h;
+        pq = a.pooled_q + (bh * p.nQB + qb) * DK;
+        wr.srow[mt][r] = (bh * p.nQB + qb) * p.nKB;
+        wr.last[mt][r] = row_last_key(qb);
       }
-  }
-  // per-row power-of-two scaling (fp16) and the hi/lo split
-  uint32_t ah[KS][4], al[KS][4];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    fac[r] = p.scale;
-    if constexpr (std::is_same<T, __half>::value) {
-      float mx = 0.f;
+      // the row's float32 values at the fragment positions: (ks, {c, c+1, c+8, c+9})
+      float xv[KS][4];
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(xv[r][ks][e]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      int s = 0;
-      if (mx > 0.f && isfinite(mx)) {  // (fmaxf drops NaN; an infinite row stays unscaled and non-finite)
-        int ex;
-        frexpf(mx, &ex);  // mx in [2^(ex-1), 2^ex)
-        s = min(max(15 - ex, -64), 64);
-      }
-      if (s != 0) {
-        const float up = pow2f(s);
+        for (int hh = 0; hh < 2; ++hh) {
+          const int c = ks * 16 + 8 * hh + 2 * tq;
+          float2 v = make_float2(0.f, 0.f);
+          if (pq != nullptr && c < D) v = *reinterpret_cast<const float2*>(pq + c);
+          xv[ks][2 * hh] = v.x;
+          xv[ks][2 * hh + 1] = v.y;
+        }
+      // per-row power-of-two scaling (fp16), then one rounding to the 16-bit type
+      float fac = p.scale;
+      if constexpr (std::is_same<T, __half>::value) {
+        float mx = 0.f;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) xv[r][ks][e] *= up;
-        fac[r] = p.scale * pow2f(-s);
+          for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(xv[ks][e]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        int s = 0;
+        if (mx > 0.f && isfinite(mx)) {  // (fmaxf drops NaN; an infinite row stays unscaled and non-finite)
+          int ex;
+          frexpf(mx, &ex);  // mx in [2^(ex-1), 2^ex)
+          s = min(max(15 - ex, -64), 64);
+        }
+        if (s != 0) {
+          const float up = pow2f(s);
+#pragma unroll
+          for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xv[ks][e] *= up;
+          fac = p.scale * pow2f(-s);
+        }
+      }
+      wr.fac[mt][r] = fac;
+      wr.f2[mt][r] = fac * 1.4426950408889634f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        // a0/a1: rows gq / gq+8, columns c, c+1; a2/a3: the same rows, columns c+8, c+9
+        wr.a[mt][ks][r] = round2<T>(xv[ks][0], xv[ks][1]);
+        wr.a[mt][ks][2 + r] = round2<T>(xv[ks][2], xv[ks][3]);
       }
     }
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      // a0/a1: rows gq / gq+8, columns c, c+1; a2/a3: the same rows, columns c+8, c+9
-      split2<T>(xv[r][ks][0], xv[r][ks][1], ah[ks][r], al[ks][r]);
-      split2<T>(xv[r][ks][2], xv[r][ks][3], ah[ks][2 + r], al[ks][2 + r]);
-    }
-  }
 
   // ldmatrix.x4 rows of this lane: keys 16 np + 8 (lane >> 4) + (lane & 7), chunk 2 ks + ((lane >> 3) & 1)
   const uint32_t lrow = uint32_t((8 * (lane >> 4) + (lane & 7)) * Tr::kRowBytes);
   const int lsel = (lane >> 3) & 1, lxor = lane & 7;
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kLn2 = 0.6931471805599453f;
 
   int stage = 0;
   for (int i = 0; i < ntiles; ++i) {
@@ -313,77 +418,25 @@ __global__ void __launch_bounds__(kKsThreads, KsTraits<DK>::kMinBlocks) key_scor
       int ns = stage + Tr::kStages - 1;
       if (ns >= Tr::kStages) ns -= Tr::kStages;
       if (nx < ntiles)
-        ld.template load<VEC>(int32_t(t_begin + nx) * kKsKeys, smem0 + ns * Tr::kStageBytes, ks_smem + ns * Tr::kStageBytes);
+        ld.template load<VEC>(int32_t(t_begin + nx) * kKsKeys, smem0 + ns * Tr::kStageBytes,
+                              ks_smem + ns * Tr::kStageBytes);
       cp_async_commit();
     }
     const uint32_t sbase = smem0 + uint32_t(stage * Tr::kStageBytes) + lrow;
     if (++stage == Tr::kStages) stage = 0;
     const int64_t tile = t_begin + i;
-    if (tile >= wvis) continue;  // warp-uniform; the next iteration's barrier is still reached
+    if (tile >= mvis[MT - 1]) continue;  // warp-uniform; the next iteration's barrier is still reached
     const int32_t j0 = int32_t(tile * kKsKeys);
-    // The tile in two halves of 32 keys (half the accumulator registers live at a time). Each
-    // thread keeps, per row, a running max mrun and sum of exponentials srun relative to it over the
-    // keys it holds that the row sees: acc[n][2r + e] is key 32 half + 8n + 2tq + e of row r.
-    float mrun[2] = {-INFINITY, -INFINITY}, srun[2] = {0.f, 0.f};
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float acc[4][4];
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const uint32_t coff = uint32_t(((2 * ks + lsel) ^ lxor) << 4);
-        uint32_t bf[2][4];
-#pragma unroll
-        for (int np = 0; np < 2; ++np)
-          ldmatrix_x4(sbase + uint32_t((2 * half + np) * 16 * Tr::kRowBytes) + coff, bf[np]);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          mma16816<T>(acc[2 * np], ah[ks], bf[np][0], bf[np][1]);
-          mma16816<T>(acc[2 * np + 1], ah[ks], bf[np][2], bf[np][3]);
-        }
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          mma16816<T>(acc[2 * np], al[ks], bf[np][0], bf[np][1]);
-          mma16816<T>(acc[2 * np + 1], al[ks], bf[np][2], bf[np][3]);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int32_t lim = last[r] - j0 - 32 * half;  // keys 0..lim of the half are visible
-        float sv[8];
-        float m = mrun[r];
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float x = 8 * n + 2 * tq + e <= lim ? fac[r] * acc[n][2 * r + e] : -INFINITY;
-            sv[2 * n + e] = x;
-            m = fmaxf(m, x);  // ignores NaN; a NaN reaches the sum below
-          }
-        // m == -inf: every term so far is -inf (exp 0) or NaN (stays NaN); no inf - inf
-        const float mb = (m == -INFINITY ? 0.f : m) * kLog2e;
-        float sum = srun[r] * ex2_approx(fmaf(mrun[r], kLog2e, -mb));
-#pragma unroll
-        for (int t = 0; t < 8; ++t) sum += ex2_approx(fmaf(sv[t], kLog2e, -mb));
-        mrun[r] = m;
-        srun[r] = sum;
+    if constexpr (MT == 2) {
+      if (tile >= mvis[0]) {  // past the first row tile's extent (causal): the second tile only
+        wr.template tile_scores<1, true>(sbase, lsel, lxor, tq, j0, tile, a.scores);
+        continue;
       }
     }
-    // merge the 4 lanes of a quad (they hold the row's 64 keys) and write the block score
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int32_t lim = last[r] - j0;  // lim < 0: the row sees no key of the block (not written)
-      float m = fmaxf(mrun[r], __shfl_xor_sync(0xffffffffu, mrun[r], 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float mb = (m == -INFINITY ? 0.f : m) * kLog2e;
-      float sum = srun[r] * ex2_approx(fmaf(mrun[r], kLog2e, -mb));
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (tq == 0 && lim >= 0) a.scores[srow[r] + tile] = m + __log2f(sum) * kLn2;
-    }
+    if (j0 + kKsKeys - 1 <= kmin)
+      wr.template tile_scores<0, false>(sbase, lsel, lxor, tq, j0, tile, a.scores);
+    else
+      wr.template tile_scores<0, true>(sbase, lsel, lxor, tq, j0, tile, a.scores);
   }
 }
 
@@ -421,7 +474,8 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
     constexpr int smem = KsTraits<DK>::kSmem;
     err = cudaSuccess;
     if (smem > 48 * 1024) err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err == cudaSuccess) err = launch_pdl(kern, dim3(unsigned(n)), dim3(kKsThreads), size_t(smem), stream, ka);
+    if (err == cudaSuccess)
+      err = launch_pdl(kern, dim3(unsigned(n)), dim3(KsTraits<DK>::kThreads), size_t(smem), stream, ka);
   });
   if (!built)
     return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE on CUDA: kernel head dim %lld not built",

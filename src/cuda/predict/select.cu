@@ -324,10 +324,14 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
       }
     }
     __syncwarp();
-    // forced blocks outside the budget: non-compressible key blocks
-    const float* sk = a.sim_k + size_t(bhk) * nKB;
-    for (int kb = lane; kb < V; kb += 32)
-      if (sk[kb] < sim_thr) sel[kb] = 1;
+    // forced blocks outside the budget: non-compressible key blocks (self-
+    // similarities are >= 0 or NaN: a threshold <= 0 forces none, and sim_k is
+    // then not read — a KEYS_LSE prediction does not compute it)
+    if (sim_thr > 0.f) {
+      const float* sk = a.sim_k + size_t(bhk) * nKB;
+      for (int kb = lane; kb < V; kb += 32)
+        if (sk[kb] < sim_thr) sel[kb] = 1;
+    }
     __syncwarp();
   }
 

@@ -422,7 +422,13 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   // (similarities are >= 0, so a threshold <= 0 never forces): the pooled K
   // means come out of the column statistics' read (raw, then minus the mean in
   // stage B) and the K pass, a second read of K, is skipped.
-  const bool fused_kpool = !quant && do_k && cfg.sim_per_head == nullptr && !(cfg.sim_threshold > 0.f);
+  const bool no_sim_forcing = cfg.sim_per_head == nullptr && !(cfg.sim_threshold > 0.f);
+  // Prediction only with KEYS_LSE and no forcing: the scores read the raw keys
+  // and the pooled queries, nothing else (a K mean shifts every score of a row
+  // by the same q . mean, which no selection sees): no column statistics, no
+  // pooled K, no K pass.
+  const bool q_only = !quant && cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE && no_sim_forcing;
+  const bool fused_kpool = !quant && !q_only && do_k && no_sim_forcing;
   const bool q_late = quant && lse_shift && do_k;  // q . k_mean needs the K mean
 
   StageA A;
@@ -430,7 +436,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   std::memset(&A, 0, sizeof A);
   std::memset(&B, 0, sizeof B);
 
-  if (do_k || do_v) {  // column statistics
+  if ((do_k || do_v) && !q_only) {  // column statistics
     ColArgs& ca = A.col;
     ca.k = k;
     ca.d_in = int(p.D);
@@ -478,7 +484,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     else
       order_groups = groups;
   }
-  if (!fused_kpool) {  // K pass
+  if (!fused_kpool && !q_only) {  // K pass
     KArgs& ka = B.k;
     ka.k = k;
     ka.d_in = int(p.D);
