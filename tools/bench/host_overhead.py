@@ -7,7 +7,9 @@ For each shape and mask it times batches of calls with time.perf_counter (wall) 
 time.process_time (CPU of the process), synchronizing the device only between batches, and prints
 the median over the batches, in microseconds per call:
 
-  py wall / py cpu   sparge.attention(q, k, v, mask=...) (the eager direct path)
+  py wall / py cpu   sparge.attention(q, k, v, mask=...) (the eager direct path; its arguments repeat, so
+                     after the first call it is a hit of the prepared-call cache)
+  py gen             py wall with that cache off (the general path: every check and descriptor per call)
   C warm             sparge_attention_run, the same arguments every call (the plan's setup cache hits)
   C miss             sparge_attention_run cycling through more output buffers than the cache holds
                      (every call runs the pointer queries and the tensor-map setup)
@@ -18,6 +20,15 @@ Needs torch with CUDA and a CUDA build of libsparge (SPARGE_LIBRARY, or the inst
 runs offline. Example:
 
   SPARGE_LIBRARY=build/libsparge.so PYTHONPATH=bindings/python python3 tools/bench/host_overhead.py
+
+--noop-c times the Python layer alone, on any machine: CPU torch tensors (--noop-shape, bf16), and the
+library call replaced by a C function that does nothing (sparge_has_cuda of a CPU-only build, which
+returns 0, called through the same ctypes prototype). It prints the best over --repeats batches of
+--noop-calls calls, the cached and the general path alternating, for sparge.attention with a block
+mask, without one, with return_lse, and sparge.sdpa; "ctypes" is the no-op called directly with the
+prepared arguments (the floor: what remains of a call when the Python layer costs nothing):
+
+  SPARGE_LIBRARY=build-cpu/libsparge.so PYTHONPATH=bindings/python python3 tools/bench/host_overhead.py --noop-c
 """
 
 from __future__ import annotations
@@ -95,6 +106,56 @@ class CCall:
             self.C.check(st, "sparge_attention_run")
 
 
+def noop_main(args) -> int:
+    """--noop-c: the Python layer of an eager call with the library call replaced by a no-op."""
+    import timeit
+
+    import torch
+    import sparge
+    from sparge import _api, _capi as C, _core
+
+    if sparge.has_cuda():
+        print("host_overhead --noop-c: needs a CPU-only build of libsparge (its no-op, sparge_has_cuda, returns 0 "
+              "there)", file=sys.stderr)
+        return 2
+    vp = ctypes.c_void_p
+    noop = C.lib.raw("sparge_has_cuda", [vp] * 9 + [ctypes.c_size_t, vp])  # sparge_attention_run's prototype
+    _core._RUN_FN = noop  # what both paths call
+    B, H, L, D = (int(x) for x in args.noop_shape.lower().split("x"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    mask = torch.ones(B, H, -(-L // 128), -(-L // 64), dtype=torch.uint8)
+    cases = [
+        ("attention mask", lambda: sparge.attention(q, k, v, mask=mask)),
+        ("attention", lambda: sparge.attention(q, k, v)),
+        ("attention lse", lambda: sparge.attention(q, k, v, mask=mask, return_lse=True)),
+        ("sdpa", lambda: sparge.sdpa(q, k, v)),
+    ]
+    print("libsparge %s (%s), torch %s, CPU tensors %s bf16, library call: no-op"
+          % (".".join(map(str, sparge.library_version())), C.library_path(), torch.__version__, args.noop_shape))
+    _api._ops()  # imports the torch ops (and the cached path) as the first torch call would
+    fast = getattr(_api, "_FAST", None)
+    if fast is None:
+        print("(this sparge package has no prepared-call cache: both columns time its one path)")
+    args0 = (0, 0, 0, 0, 0, 0, 0, 0, None, 0, None)
+    floor = min(timeit.repeat(lambda: noop(*args0), number=args.noop_calls, repeat=args.repeats))
+    print("ctypes (the no-op with prepared arguments): %.2f us" % (floor / args.noop_calls * 1e6))
+    print("%-16s %10s %10s   (us per call, best of %d batches of %d)" % ("call", "cached", "general", args.repeats,
+                                                                        args.noop_calls))
+    for name, fn in cases:
+        best = {"cached": float("inf"), "general": float("inf")}
+        for _ in range(args.repeats):
+            for mode in ("cached", "general"):
+                _api._FAST = fast if mode == "cached" else None
+                for _ in range(args.warmup):
+                    fn()
+                t = timeit.timeit(fn, number=args.noop_calls) / args.noop_calls
+                best[mode] = min(best[mode], t)
+        _api._FAST = fast
+        print("%-16s %10.2f %10.2f" % (name, best["cached"] * 1e6, best["general"] * 1e6))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
@@ -103,10 +164,17 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200, help="calls per batch with an empty mask (others: 16)")
     ap.add_argument("--repeats", type=int, default=7, help="batches; the median is printed")
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--noop-c", action="store_true", help="time the Python layer alone (CPU tensors, no-op library "
+                    "call; needs a CPU-only build)")
+    ap.add_argument("--noop-shape", default="1x4x256x64", help="BxHxLxD of --noop-c")
+    ap.add_argument("--noop-calls", type=int, default=2000, help="calls per batch of --noop-c")
     args = ap.parse_args()
+    if args.noop_c:
+        return noop_main(args)
 
     import torch
     import sparge
+    from sparge import _api
     from sparge import _capi as C
     from sparge import _core
 
@@ -120,8 +188,8 @@ def main() -> int:
     has_cuda = C.lib.sparge_has_cuda
     _, ct = batches(has_cuda, 2000, args.repeats, lambda: None)
     print("ctypes floor (sparge_has_cuda): %.2f us cpu" % (ct * 1e6))
-    hdr = ("shape", "mask", "py wall", "py cpu", "C warm", "C miss", "gpu")
-    print("%-12s %-9s %9s %9s %9s %9s %10s   (us per call, median of %d batches)" % (hdr + (args.repeats,)))
+    hdr = ("shape", "mask", "py wall", "py cpu", "py gen", "C warm", "C miss", "gpu")
+    print("%-12s %-9s %9s %9s %9s %9s %9s %10s   (us per call, median of %d batches)" % (hdr + (args.repeats,)))
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
         B, H, L, D = SHAPES[name]
@@ -145,6 +213,13 @@ def main() -> int:
                 py()
             sync()
             pw, pc = batches(py, calls, args.repeats, sync)
+            fast, _api._FAST = getattr(_api, "_FAST", None), None  # the general path
+            try:
+                for _ in range(args.warmup):
+                    py()
+                pg, _ = batches(py, calls, args.repeats, sync)
+            finally:
+                _api._FAST = fast
             gpu = gpu_per_call(torch, py, calls)
             c_warm = c_miss = float("nan")
             if mask is not None:
@@ -157,8 +232,8 @@ def main() -> int:
                 _, c_warm = batches(warm, calls, args.repeats, sync)
                 _, c_miss = batches(miss, calls, args.repeats, sync)
                 del warm, miss
-            print("%-12s %-9s %9.1f %9.1f %9.1f %9.1f %10.1f" % (name, mname, pw * 1e6, pc * 1e6, c_warm * 1e6,
-                                                              c_miss * 1e6, gpu * 1e6))
+            print("%-12s %-9s %9.1f %9.1f %9.1f %9.1f %9.1f %10.1f" % (name, mname, pw * 1e6, pc * 1e6, pg * 1e6,
+                                                                    c_warm * 1e6, c_miss * 1e6, gpu * 1e6))
             del mask
         del q, k, v
         torch.cuda.empty_cache()

@@ -99,9 +99,13 @@ def has_cuda() -> bool:
 
 
 def clear_caches() -> None:
-    """Drops cached plans, every thread's workspace buffers and the per-head parameter arrays."""
+    """Drops cached plans, every thread's workspace buffers, the per-head parameter arrays and the
+    prepared arguments of repeated torch calls."""
     from . import _arrays, _core
 
+    ops = sys.modules.get(__name__ + "._torch_ops")
+    if ops is not None:
+        ops.clear_calls()
     _core.PLANS.clear()
     _arrays.NUMPY.clear()
     if _arrays._TORCH is not None:

@@ -37,14 +37,17 @@ def _is_torch(x: Any) -> bool:
 
 
 _OPS: Any = None
+#: ``_torch_ops.fast_attention`` once torch tensors have been seen (None until then).
+_FAST: Any = None
 
 
 def _ops() -> Any:
-    global _OPS
+    global _OPS, _FAST
     if _OPS is None:
         from . import _torch_ops
 
         _OPS = _torch_ops
+        _FAST = _torch_ops.fast_attention
     return _OPS
 
 
@@ -102,12 +105,16 @@ def _density_from_kept(kept: Any, s: core.Shapes, bq: int, bk: int, causal: bool
 
 # ------------------------------------------------------------------ option handling
 class _Resolved:
-    __slots__ = ("opts", "topk_h", "cdf_h", "sim_h", "bq", "bk")
+    """Resolved options. ``shared``: this object is the one ``_resolve_cached`` returns for its
+    option values (scalars only, no per-head values), so its identity stands for those values."""
+
+    __slots__ = ("opts", "topk_h", "cdf_h", "sim_h", "bq", "bk", "shared")
 
     def __init__(self, opts: core.Options, topk_h: Any, cdf_h: Any, sim_h: Any) -> None:
         self.opts, self.topk_h, self.cdf_h, self.sim_h = opts, topk_h, cdf_h, sim_h
         self.bq = opts.block_q or 128
         self.bk = opts.block_k or 64
+        self.shared = False
 
 
 def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: str, mode: str,
@@ -141,13 +148,13 @@ _PLAIN = frozenset((float, int, bool, str, type(None)))
 def _resolve_cached(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
                     sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any,
                     estimator: Any, precision: Any, block_size: Any) -> _Resolved:
-    vals = (topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
-            local_window, estimator, precision)
     key = None
     if type(block_size) is tuple and len(block_size) == 2:
-        types = tuple(map(type, vals)) + tuple(map(type, block_size))
-        if _PLAIN.issuperset(types):
-            key = vals + block_size + types
+        vals = (topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
+                local_window, estimator, precision) + block_size
+        types = tuple(map(type, vals))
+        if _PLAIN.issuperset(types):  # (before hashing: a list or an array is not hashable)
+            key = (vals, types)
             r = _RESOLVED.get(key)
             if r is not None:
                 return r
@@ -158,6 +165,7 @@ def _resolve_cached(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: An
     if key is not None:
         if len(_RESOLVED) > 256:
             _RESOLVED.clear()
+        r.shared = r.topk_h is None and r.cdf_h is None and r.sim_h is None
         _RESOLVED[key] = r
     return r
 
@@ -308,6 +316,12 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
                return_sparsity: bool, return_lse: bool, stream: Optional[int],
                plan: Optional[core.Plan] = None, workspace: Any = None) -> Any:
     """attention() after option resolution; ``plan``/``workspace`` from a :class:`sparge.Plan`."""
+    fast = _FAST
+    if fast is not None and plan is None and workspace is None and not return_sparsity and EAGER_DIRECT:
+        # Eager torch call whose arguments were seen before: one cache hit (_torch_ops.fast_attention).
+        res = fast(q, k, v, r, mask, out, return_lse)
+        if res is not None:
+            return res
     mask = _normalize_mask(mask)
     if _is_torch(q):
         extra = (("mask", mask),) if mask is not None else ()

@@ -57,45 +57,56 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     if dropout_p != 0.0:
         raise C.UnsupportedError("dropout_p=%r: dropout is not supported (inference only); pass dropout_p=0.0"
                                  % (dropout_p,))
-    nd = len(query.shape)
+    qs = query.shape
+    nd = len(qs)
     if nd not in (3, 4):
-        raise C.InvalidArgumentError("query must be [B, H, L, E] or [B, L, E], got shape %s" % (tuple(query.shape),))
-    for name, t in (("key", key), ("value", value)) + ((("out", out),) if out is not None else ()):
-        if len(t.shape) != nd:
-            raise C.InvalidArgumentError("%s has %d dims but query has %d" % (name, len(t.shape), nd))
+        raise C.InvalidArgumentError("query must be [B, H, L, E] or [B, L, E], got shape %s" % (tuple(qs),))
+    ks = key.shape
+    if len(ks) != nd:
+        raise C.InvalidArgumentError("key has %d dims but query has %d" % (len(ks), nd))
+    vs = value.shape
+    if len(vs) != nd:
+        raise C.InvalidArgumentError("value has %d dims but query has %d" % (len(vs), nd))
+    if out is not None and len(out.shape) != nd:
+        raise C.InvalidArgumentError("out has %d dims but query has %d" % (len(out.shape), nd))
     if nd == 3:
         q4, k4, v4 = _unsqueeze_heads(query), _unsqueeze_heads(key), _unsqueeze_heads(value)
         o4 = _unsqueeze_heads(out) if out is not None else None
+        qs, ks, vs = q4.shape, k4.shape, v4.shape
     else:
         q4, k4, v4, o4 = query, key, value, out
-    Hq, Hkv = int(q4.shape[1]), int(k4.shape[1])
+    Hq, Hkv = int(qs[1]), int(ks[1])
     if Hq != Hkv and not enable_gqa:
         raise C.InvalidArgumentError("query has %d heads but key has %d: pass enable_gqa=True for grouped-query "
                                      "attention (as torch's scaled_dot_product_attention requires)" % (Hq, Hkv))
-    if int(v4.shape[-1]) != int(q4.shape[-1]):
-        raise C.UnsupportedError("value has head dim %d but query has %d: libsparge needs Ev == E"
-                                 % (int(v4.shape[-1]), int(q4.shape[-1])))
-    if int(v4.shape[2]) != int(k4.shape[2]):
-        raise C.InvalidArgumentError("value has %d keys but key has %d" % (int(v4.shape[2]), int(k4.shape[2])))
-    L, S = int(q4.shape[2]), int(k4.shape[2])
+    E, Ev = int(qs[-1]), int(vs[-1])
+    if Ev != E:
+        raise C.UnsupportedError("value has head dim %d but query has %d: libsparge needs Ev == E" % (Ev, E))
+    L, S = int(qs[2]), int(ks[2])
+    if int(vs[2]) != S:
+        raise C.InvalidArgumentError("value has %d keys but key has %d" % (int(vs[2]), S))
     causal = bool(is_causal)
 
-    def resolved(c: bool) -> Any:
-        return _resolve_cached(topk, c, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
-                               attention_sink, local_window, estimator, precision, block_size)
-
     if not causal or L == S or S == 0:
-        res = _attention(q4, k4, v4, resolved(causal and S > 0), None, o4, False, False, stream)
-    elif L < S:
-        # Top-left rule: query i sees keys 0..i <= L-1; keys L.. are never seen.
-        res = _attention(q4, k4[:, :, :L], v4[:, :, :L], resolved(True), None, o4, False, False, stream)
+        r = _resolve_cached(topk, causal and S > 0, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
+                            attention_sink, local_window, estimator, precision, block_size)
+        res = _attention(q4, k4, v4, r, None, o4, False, False, stream)
     else:
-        # L > S: queries 0..S-1 causal over all S keys, queries S..L-1 see every key.
-        res = o4 if o4 is not None else _empty_like(q4)
-        if res is None:
-            raise C.UnsupportedError("is_causal with more queries than keys needs torch or numpy inputs (or out=)")
-        _attention(q4[:, :, :S], k4, v4, resolved(True), None, res[:, :, :S], False, False, stream)
-        _attention(q4[:, :, S:], k4, v4, resolved(False), None, res[:, :, S:], False, False, stream)
+        def resolved(c: bool) -> Any:
+            return _resolve_cached(topk, c, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
+                                   attention_sink, local_window, estimator, precision, block_size)
+
+        if L < S:
+            # Top-left rule: query i sees keys 0..i <= L-1; keys L.. are never seen.
+            res = _attention(q4, k4[:, :, :L], v4[:, :, :L], resolved(True), None, o4, False, False, stream)
+        else:
+            # L > S: queries 0..S-1 causal over all S keys, queries S..L-1 see every key.
+            res = o4 if o4 is not None else _empty_like(q4)
+            if res is None:
+                raise C.UnsupportedError("is_causal with more queries than keys needs torch or numpy inputs "
+                                         "(or out=)")
+            _attention(q4[:, :, :S], k4, v4, resolved(True), None, res[:, :, :S], False, False, stream)
+            _attention(q4[:, :, S:], k4, v4, resolved(False), None, res[:, :, S:], False, False, stream)
     if out is not None:
         return out
     if nd == 3:
