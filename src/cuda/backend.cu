@@ -326,9 +326,10 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
 namespace {
 
 // The call's kernels, queued on `s` in order (the attention kernel set up in `blob`).
+// first: the key's first call (the preparation clears its ticket words).
 sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v, const MaskView* mask,
                         const PredictConfig& cfg, const LseView* lse, void* workspace, const LaunchBlob& blob,
-                        const KernelEntry* entry, cudaStream_t s) {
+                        const KernelEntry* entry, cudaStream_t s, bool first) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   // The pooled means and self-similarities are needed only when the mask is
@@ -338,11 +339,11 @@ sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   bool lists_done = false;
   if (p.quantized()) {
     SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,
-                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr, /*lists_mask=*/mask));
+                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr, /*lists_mask=*/mask, first));
     lists_done = mask != nullptr;
   } else if (predict_here)
     SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
-                            /*lse_shift=*/false));
+                            /*lse_shift=*/false, nullptr, first));
 
   if (mask == nullptr) {
     const MaskView wm = workspace_mask(p, workspace, L.mask);
@@ -417,7 +418,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
         const KernelEntry* kern = e->kernel;
         const sparge_status_t st = capture_graph(
             c, p.device_id,
-            [&](cudaStream_t cs) { return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, kern, cs); },
+            [&](cudaStream_t cs) { return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, kern, cs, false); },
             &e->exec);
         e->gcfg = g;
         // Not capturable here: this key launches one by one from now on (and
@@ -461,11 +462,13 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   // setup from the plan's cache (the setup is a function of the key alone).
   LaunchBlob blob;
   const KernelEntry* entry = nullptr;
+  bool first = false;
   if (key == nullptr || !cache_find(plan, *key, &blob, &entry)) {
     SPARGE_TRY(setup_attention(plan, a, &blob, &entry));
     if (key != nullptr) cache_store(plan, *key, blob, entry);
+    first = true;
   }
-  return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, entry, s);
+  return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, entry, s, first);
 }
 
 }  // namespace cuda

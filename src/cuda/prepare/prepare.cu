@@ -401,7 +401,7 @@ sparge_status_t predict_supported(const Problem& p) {
 
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
-                             bool lse_shift, const MaskView* lists_mask) {
+                             bool lse_shift, const MaskView* lists_mask, bool zero_tickets) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
@@ -523,6 +523,8 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   if (na > int64_t(0x7fffffff) || nb > int64_t(0x7fffffff))
     return fail(SPARGE_ERR_UNSUPPORTED, "problem too large for the CUDA preparation's launch grids");
   const bool vec = vec_ok(q) && vec_ok(k) && (!do_v || vec_ok(*v));
+  if (A.n_col > 0 && zero_tickets)
+    SPARGE_CUDA_TRY(cudaMemsetAsync(A.col.ticks, 0, size_t(bhk) * sizeof(uint64_t), stream));
   if (na > 0) {
     cudaError_t err = cudaSuccess;
     dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {

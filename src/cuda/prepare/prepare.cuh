@@ -19,9 +19,13 @@ namespace cuda {
 // mask, whose index lists and work order (cuda/schedule/lists.cuh) then run in
 // the preparation's two launches instead of two of their own. Two launches
 // (prepare.cu), and the KEYS_LSE scores when that estimator predicts.
+// zero_tickets: clear the column statistics' ticket words first (a memset
+// node). Correctness does not need it (column_stats.cuh, tickets); it keeps the
+// first use of a workspace free of reads of uninitialized memory, so callers
+// clear them on a workspace's first call with a key, not on its repeats.
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
-                             bool lse_shift, const MaskView* lists_mask = nullptr);
+                             bool lse_shift, const MaskView* lists_mask = nullptr, bool zero_tickets = true);
 
 }  // namespace cuda
 }  // namespace sparge
