@@ -43,8 +43,9 @@ GraphCfg graph_cfg(const PredictConfig& c) {
 
 // Entries also keep, from the second call of a key on, the call's launch
 // sequence as an instantiated CUDA graph (docs/API.md, "Repeated arguments"),
-// captured on the cache's own stream and replayed on the caller's with one
-// cudaGraphLaunch. The graph is a function of the key and GraphCfg.
+// built from the launches it replaces (no stream capture) and replayed on the
+// caller's stream with one cudaGraphLaunch. The graph is a function of the key
+// and GraphCfg.
 struct CallCache {
   static constexpr int kCapacity = 32;
   struct Entry {
@@ -52,15 +53,13 @@ struct CallCache {
     LaunchBlob blob;
     const KernelEntry* kernel;
     uint64_t used;         // clock of the last use
-    GraphCfg gcfg;         // the parameters `exec` was captured with
+    GraphCfg gcfg;         // the parameters `exec` was built with
     cudaGraphExec_t exec;  // null until the second call of the key
-    bool no_graph;         // its capture failed: calls of this key launch one by one
+    bool no_graph;         // building it failed: calls of this key launch one by one
   };
   std::mutex mu;
   uint64_t clock = 0;
   int count = 0;
-  cudaStream_t capture_stream = nullptr;  // created on the plan's device at the first capture
-  int device = -1;
   Entry entries[kCapacity];
 };
 
@@ -71,13 +70,6 @@ void destroy_call_cache(CallCache* c) {
   // In-flight replays finish first: a graph destroyed while it runs is freed on completion.
   for (int i = 0; i < c->count; ++i)
     if (c->entries[i].exec != nullptr) cudaGraphExecDestroy(c->entries[i].exec);
-  if (c->capture_stream != nullptr) {
-    int prev = -1;
-    const bool switch_dev = cudaGetDevice(&prev) == cudaSuccess && prev != c->device;
-    if (switch_dev) cudaSetDevice(c->device);
-    cudaStreamDestroy(c->capture_stream);
-    if (switch_dev) cudaSetDevice(prev);
-  }
   delete c;
 }
 
@@ -359,32 +351,29 @@ sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   return entry->run(blob, s);
 }
 
-// Captures `fn(stream)` on the cache's own stream (created on the current
-// device, the plan's, the first time) and instantiates it. Called under the
-// cache's lock.
+// Builds `fn(stream)`'s launches into a graph (no launch happens: launch_pdl
+// records them, cuda/common/launch.cuh) and instantiates it on the current
+// device, the plan's. Called under the cache's lock.
 template <class Fn>
-sparge_status_t capture_graph(CallCache* c, int device, Fn&& fn, cudaGraphExec_t* out) {
+sparge_status_t build_graph(cudaStream_t stream, Fn&& fn, cudaGraphExec_t* out) {
   *out = nullptr;
-  if (c->capture_stream == nullptr) {
-    SPARGE_CUDA_TRY(cudaStreamCreateWithFlags(&c->capture_stream, cudaStreamNonBlocking));
-    c->device = device;
+  LaunchRecorder rec;
+  SPARGE_CUDA_TRY(cudaGraphCreate(&rec.graph, 0));
+  sparge_status_t st;
+  {
+    RecordLaunches recording(&rec);
+    st = fn(stream);
   }
-  SPARGE_CUDA_TRY(cudaStreamBeginCapture(c->capture_stream, cudaStreamCaptureModeThreadLocal));
-  const sparge_status_t st = fn(c->capture_stream);
-  cudaGraph_t g = nullptr;
-  const cudaError_t end = cudaStreamEndCapture(c->capture_stream, &g);
-  if (st != SPARGE_OK) {
-    if (g != nullptr) cudaGraphDestroy(g);
-    return st;
+  if (st == SPARGE_OK && rec.last == nullptr) st = fail(SPARGE_ERR_INTERNAL, "a call graph without kernels");
+  if (st == SPARGE_OK) {
+    const cudaError_t inst = cudaGraphInstantiate(out, rec.graph, 0);
+    if (inst != cudaSuccess) {
+      *out = nullptr;
+      st = cuda_status(inst, "cudaGraphInstantiate");
+    }
   }
-  if (end != cudaSuccess) return cuda_status(end, "cudaStreamEndCapture");
-  const cudaError_t inst = cudaGraphInstantiate(out, g, 0);
-  cudaGraphDestroy(g);
-  if (inst != cudaSuccess) {
-    *out = nullptr;
-    return cuda_status(inst, "cudaGraphInstantiate");
-  }
-  return SPARGE_OK;
+  cudaGraphDestroy(rec.graph);
+  return st;
 }
 
 }  // namespace
@@ -398,7 +387,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   SPARGE_TRY(guard.enter(p.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 
-  // A key called before replays its graph (captured at its second call) with
+  // A key called before replays its graph (built at its second call) with
   // one launch. Not while the caller captures this stream: the kernels then
   // go into the caller's graph one by one, as below.
   CallCache* c = plan.call_cache;
@@ -416,13 +405,12 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
       if (e->exec == nullptr) {
         const LaunchBlob& blob = e->blob;
         const KernelEntry* kern = e->kernel;
-        const sparge_status_t st = capture_graph(
-            c, p.device_id,
-            [&](cudaStream_t cs) { return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, kern, cs, false); },
+        const sparge_status_t st = build_graph(
+            s, [&](cudaStream_t cs) { return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, kern, cs, false); },
             &e->exec);
         e->gcfg = g;
-        // Not capturable here: this key launches one by one from now on (and
-        // what failed, if it was a launch, is reported by the launches below).
+        // No graph for this key: it launches one by one from now on (and what
+        // failed, if it was a launch, is reported by the launches below).
         if (st != SPARGE_OK) {
           (void)cudaGetLastError();
           e->no_graph = true;

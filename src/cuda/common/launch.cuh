@@ -16,6 +16,8 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "sparge/sparge.h"
@@ -36,9 +38,68 @@ __device__ __forceinline__ void pdl_grid_sync() {
 // Whether launches carry the PDL attribute (SPARGE_PDL, read once; default on).
 bool pdl_enabled();
 
+// A CUDA graph built from launch_pdl calls instead of launching them (the
+// call cache's graphs, cuda/backend.cu): while a thread has a recorder set,
+// its launch_pdl calls append kernel nodes in order, each depending on the one
+// before through a programmatic edge (as stream capture makes of PDL launches;
+// a full edge with SPARGE_PDL=0). Built by hand rather than by stream capture:
+// a capture in progress makes other threads' cudaDeviceSynchronize and
+// similar device-wide calls fail.
+struct LaunchRecorder {
+  cudaGraph_t graph = nullptr;
+  cudaGraphNode_t last = nullptr;
+};
+inline LaunchRecorder*& launch_recorder() {
+  static thread_local LaunchRecorder* r = nullptr;
+  return r;
+}
+// Sets the calling thread's recorder for its lifetime.
+class RecordLaunches {
+ public:
+  explicit RecordLaunches(LaunchRecorder* r) : prev_(launch_recorder()) { launch_recorder() = r; }
+  ~RecordLaunches() { launch_recorder() = prev_; }
+  RecordLaunches(const RecordLaunches&) = delete;
+  RecordLaunches& operator=(const RecordLaunches&) = delete;
+
+ private:
+  LaunchRecorder* prev_;
+};
+
+template <typename... KArgs, typename... Args>
+cudaError_t record_launch(LaunchRecorder* r, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                          Args&&... args) {
+  std::tuple<std::decay_t<KArgs>...> values(std::forward<Args>(args)...);
+  void* ptrs[sizeof...(KArgs) > 0 ? sizeof...(KArgs) : 1];
+  std::apply([&](auto&... v) {
+    int i = 0;
+    ((ptrs[i++] = static_cast<void*>(&v)), ...);
+  }, values);
+  cudaKernelNodeParams kp = {};
+  kp.func = reinterpret_cast<void*>(kernel);
+  kp.gridDim = grid;
+  kp.blockDim = block;
+  kp.sharedMemBytes = static_cast<unsigned>(smem);
+  kp.kernelParams = ptrs;
+  cudaGraphNode_t node = nullptr;
+  cudaError_t e = cudaGraphAddKernelNode(&node, r->graph, nullptr, 0, &kp);
+  if (e != cudaSuccess) return e;
+  if (r->last != nullptr) {
+    cudaGraphEdgeData edge = {};
+    if (pdl_enabled()) {
+      edge.from_port = cudaGraphKernelNodePortProgrammatic;
+      edge.type = cudaGraphDependencyTypeProgrammatic;
+    }
+    e = cudaGraphAddDependencies(r->graph, &r->last, &node, &edge, 1);
+    if (e != cudaSuccess) return e;
+  }
+  r->last = node;
+  return cudaSuccess;
+}
+
 template <typename... KArgs, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
+  if (LaunchRecorder* r = launch_recorder()) return record_launch(r, kernel, grid, block, smem, std::forward<Args>(args)...);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
