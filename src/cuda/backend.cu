@@ -157,30 +157,32 @@ bool same_key(const AttnCallKey& a, const AttnCallKey& b) {
   return a.hash == b.hash && std::memcmp(&a, &b, sizeof a) == 0;
 }
 
+// The entry of `key`, or null; the caller holds the cache's lock.
+CallCache::Entry* find_entry(CallCache* c, const AttnCallKey& key) {
+  for (int i = 0; i < c->count; ++i)
+    if (same_key(c->entries[i].key, key)) return &c->entries[i];
+  return nullptr;
+}
+
 // Copies the cached setup of `key` into blob / kernel (when non-NULL); false
 // when the plan has none.
 bool cache_find(const Plan& plan, const AttnCallKey& key, LaunchBlob* blob, const KernelEntry** kernel) {
   CallCache* c = plan.call_cache;
   if (c == nullptr) return false;
   std::lock_guard<std::mutex> lock(c->mu);
-  for (int i = 0; i < c->count; ++i) {
-    CallCache::Entry& e = c->entries[i];
-    if (!same_key(e.key, key)) continue;
-    if (blob) *blob = e.blob;
-    if (kernel) *kernel = e.kernel;
-    e.used = ++c->clock;
-    return true;
-  }
-  return false;
+  CallCache::Entry* e = find_entry(c, key);
+  if (e == nullptr) return false;
+  if (blob) *blob = e->blob;
+  if (kernel) *kernel = e->kernel;
+  e->used = ++c->clock;
+  return true;
 }
 
 void cache_store(const Plan& plan, const AttnCallKey& key, const LaunchBlob& blob, const KernelEntry* kernel) {
   CallCache* c = plan.call_cache;
   if (c == nullptr) return;
   std::lock_guard<std::mutex> lock(c->mu);
-  CallCache::Entry* slot = nullptr;
-  for (int i = 0; i < c->count && slot == nullptr; ++i)
-    if (same_key(c->entries[i].key, key)) slot = &c->entries[i];  // stored meanwhile by another thread
+  CallCache::Entry* slot = find_entry(c, key);  // stored meanwhile by another thread
   if (slot == nullptr && c->count < CallCache::kCapacity) slot = &c->entries[c->count++];
   if (slot == nullptr) {
     slot = &c->entries[0];
@@ -393,9 +395,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   CallCache* c = plan.call_cache;
   if (key != nullptr && c != nullptr && graphs_enabled() && !stream_capturing(s)) {
     std::lock_guard<std::mutex> lock(c->mu);
-    CallCache::Entry* e = nullptr;
-    for (int i = 0; i < c->count && e == nullptr; ++i)
-      if (same_key(c->entries[i].key, *key)) e = &c->entries[i];
+    CallCache::Entry* e = find_entry(c, *key);
     if (e != nullptr && !e->no_graph) {
       const GraphCfg g = graph_cfg(cfg);
       if (e->exec != nullptr && std::memcmp(&e->gcfg, &g, sizeof g) != 0) {

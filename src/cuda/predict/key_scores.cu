@@ -45,6 +45,8 @@
 #include <cuda_fp16.h>
 
 #include "core/error.hpp"
+#include "cuda/attention/common/math.cuh"
+#include "cuda/attention/portable/primitives.cuh"
 #include "cuda/common/device.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
@@ -87,66 +89,12 @@ struct KsArgs {
   uint32_t row_ctas, key_ctas;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += a (16x16, row) * b (16x8, col), float32 accumulation.
-template <class T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-template <>
-__device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// (x0, x1) -> packed rn16(x), low half first (round to nearest even).
-template <class T>
-__device__ __forceinline__ uint32_t round2(float x0, float x1);
-template <>
-__device__ __forceinline__ uint32_t round2<__half>(float x0, float x1) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t round2<__nv_bfloat16>(float x0, float x1) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+using attn::fast_exp2;
+using portable::cp_async_commit;
+using portable::cp_async_wait;
+using portable::ldsm_x4;
+using portable::Mma;
+using portable::smem_u32;
 
 // 2^e as a float, e in [-126, 127].
 __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }
@@ -183,7 +131,7 @@ struct TileLoader {
   __device__ __forceinline__ void copy(const unsigned char* p, uint32_t n, uint32_t stage, unsigned char* stage_ptr,
                                        uint32_t off) const {
     if constexpr (VEC) {
-      cp_async16(stage + off, p, n);
+      portable::cp_async16(stage + off, p, n != 0);
     } else {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (n != 0) v = load8_raw<false>(p);
@@ -242,13 +190,13 @@ struct WarpRows {
       const uint32_t coff = uint32_t(((2 * ks + lsel) ^ lxor) << 4);
       uint32_t bf[4][4];  // keys 16 np .. 16 np + 15
 #pragma unroll
-      for (int np = 0; np < 4; ++np) ldmatrix_x4(sbase + uint32_t(np * 16 * Tr::kRowBytes) + coff, bf[np]);
+      for (int np = 0; np < 4; ++np) ldsm_x4(sbase + uint32_t(np * 16 * Tr::kRowBytes) + coff, bf[np]);
 #pragma unroll
       for (int np = 0; np < 4; ++np)
 #pragma unroll
         for (int mt = M0; mt < MT; ++mt) {
-          mma16816<T>(acc[mt][2 * np], a[mt][ks], bf[np][0], bf[np][1]);
-          mma16816<T>(acc[mt][2 * np + 1], a[mt][ks], bf[np][2], bf[np][3]);
+          Mma<T>::run(acc[mt][2 * np], a[mt][ks], bf[np][0], bf[np][1]);
+          Mma<T>::run(acc[mt][2 * np + 1], a[mt][ks], bf[np][2], bf[np][3]);
         }
     }
 #pragma unroll
@@ -276,7 +224,7 @@ struct WarpRows {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float t = fmaf(acc[mt][n][2 * r + e], f2[mt][r], -mb);
-            sum += ex2_approx(MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : t);
+            sum += fast_exp2(MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : t);
           }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -400,8 +348,8 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         // a0/a1: rows gq / gq+8, columns c, c+1; a2/a3: the same rows, columns c+8, c+9
-        wr.a[mt][ks][r] = round2<T>(xv[ks][0], xv[ks][1]);
-        wr.a[mt][ks][2 + r] = round2<T>(xv[ks][2], xv[ks][3]);
+        wr.a[mt][ks][r] = Mma<T>::pack(xv[ks][0], xv[ks][1]);
+        wr.a[mt][ks][2 + r] = Mma<T>::pack(xv[ks][2], xv[ks][3]);
       }
     }
 
