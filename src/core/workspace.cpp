@@ -51,7 +51,7 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     w.k_scale = a.take({B, Hkv, nKB, f});
     w.idx = a.take({B, Hq, nQB, nKB, i32});
     w.cnt = a.take({B, Hq, nQB, i32});
-    w.order = a.take({B * Hq * nQB + 1, i32});  // + the persistent kernels' row counter
+    w.order = a.take({B, Hq, nQB, i32});
     w.col_part = a.take({B, Hkv, nchunk, D, sizeof(double) + sizeof(float)});
     w.col_tick = a.take({B, Hkv, sizeof(uint64_t)});
     if (p.quantized()) {

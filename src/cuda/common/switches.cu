@@ -23,11 +23,6 @@ const DevSwitches& dev_switches() {
     if (env_is("SPARGE_FP16_KERNEL", "sm90")) d.fp16 = Fp16Choice::kSm90Only;
     d.force_portable = env_is("SPARGE_KERNEL_FAMILY", "portable");
     d.graphs = !env_is("SPARGE_GRAPHS", "0");
-    if (const char* e = std::getenv("SPARGE_PERSISTENT")) {
-      char* end = nullptr;
-      const long n = std::strtol(e, &end, 10);
-      if (end != e && *end == '\0' && n >= 0 && n <= (1L << 30)) d.persistent_ctas = static_cast<int>(n);
-    }
     return d;
   }();
   return s;

@@ -8,9 +8,6 @@
 //   SPARGE_FP16_KERNEL=portable   FP16-mode plans run the portable mma.sync kernel
 //   SPARGE_GRAPHS=0               repeated attention calls launch their kernels one
 //                                 by one instead of replaying the key's CUDA graph
-//   SPARGE_PERSISTENT=0           sm_90a kernels run one CTA per mask row instead of
-//                                 one per SM looping over rows; =N (N > 0): at most
-//                                 N CTAs (tests: several rows per CTA on small shapes)
 //   SPARGE_FP16_KERNEL=sm90       an FP16 call the sm_90a kernel cannot take is an
 //                                 error instead of a fallback to the portable kernel
 // and one documented setting (docs/API.md), read the same way:
@@ -29,7 +26,6 @@ struct DevSwitches {
   Fp16Choice fp16 = Fp16Choice::kAuto;
   bool force_portable = false;
   bool graphs = true;
-  int persistent_ctas = -1;  // -1: one per SM; 0: one per row; N > 0: at most N
 };
 
 const DevSwitches& dev_switches();

@@ -74,15 +74,11 @@ __device__ __forceinline__ void mask_to_lists(const ListArgs& a, uint32_t cta) {
 // One CTA of NT threads per group: a counting sort of its rows by cnt,
 // descending; rows of equal cnt keep no particular order among themselves.
 // hist: nbins = nKB + 1 counters of shared memory.
-// sched: the word after the order, the row counter the persistent attention
-// kernels draw their rows from (kernel.cuh); the first group's CTA zeroes it
-// for the attention launch that follows (every call builds its order).
 struct OrderArgs {
   const int32_t* cnt;
   int64_t group_rows;
   int nbins;
   int32_t* order;
-  int32_t* sched;
 };
 
 template <int NT>
@@ -94,7 +90,6 @@ __device__ __forceinline__ void order_rows(const OrderArgs& a, uint32_t group, i
   const int64_t group_rows = a.group_rows;
   const int nbins = a.nbins;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (group == 0 && tid == 0) *a.sched = 0;
   const int64_t r0 = int64_t(group) * group_rows;
   cnt += r0;
   order += r0;

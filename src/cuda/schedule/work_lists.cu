@@ -48,7 +48,6 @@ sparge_status_t list_args(const Plan& plan, const MaskView& mask, void* ws, List
   oa->group_rows = p.group() * p.nQB;
   oa->nbins = int(p.nKB + 1);
   oa->order = ws_ptr<int32_t>(base, L.order);
-  oa->sched = oa->order + rows;
   *list_ctas = rows <= 0 ? 0 : ceil_div(rows, kListWarps);
   *groups = rows <= 0 ? 0 : p.B * p.Hkv;
   return SPARGE_OK;

@@ -23,7 +23,6 @@ struct Params {
   float* lse;
   int64_t lse_stride[3];
   int Hq, group, Lq, Lkv, nQB, nKB;
-  int n_rows;            // mask rows (B * Hq * nQB): a persistent CTA takes rows blockIdx.x, + gridDim.x, ...
   float scale_log2;      // scale * log2(e)
   int tma_store;         // the output goes out through shared memory and the tm_o tensor map
   int out_bf16;          // the output's 16-bit type (mainloops not templated on it)
@@ -51,7 +50,6 @@ inline Params make_params(const AttnArgs& a) {
   p.Lkv = static_cast<int>(pb.Lkv);
   p.nQB = static_cast<int>(pb.nQB);
   p.nKB = static_cast<int>(pb.nKB);
-  p.n_rows = static_cast<int>(pb.B * pb.Hq * pb.nQB);
   p.scale_log2 = pb.scale * kLog2e;
   p.out_bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
   p.q_scale = a.q_scale;
@@ -61,28 +59,23 @@ inline Params make_params(const AttnArgs& a) {
   return p;
 }
 
-// A mask row of the work order (entry `slot`; a CTA per row: blockIdx.x): its
-// batch, query head and 128-row query block, its K/V head, and its list of
-// kept 64-key blocks. P holds order, cnt, idx, nQB, nKB, Hq and group.
+// The mask row of this CTA (blockIdx.x indexes the work order): its batch,
+// query head and 128-row query block, its K/V head, and its list of kept
+// 64-key blocks. P holds order, cnt, idx, nQB, nKB, Hq and group.
 struct RowWork {
   int row_id, bh, qb, b, h, hkv, bhkv, n_tiles;
   const int32_t* tiles;
 
   template <class P>
-  __device__ __forceinline__ explicit RowWork(const P& p) : RowWork(p, int(blockIdx.x)) {}
-  template <class P>
-  __device__ __forceinline__ RowWork(const P& p, int slot) : RowWork(p, p.order[slot], -1) {}
-  // Row `row` whose count the caller may have read already (n >= 0; -1: read it).
-  template <class P>
-  __device__ __forceinline__ RowWork(const P& p, int row, int n) {
-    row_id = row;
+  __device__ __forceinline__ explicit RowWork(const P& p) {
+    row_id = p.order[blockIdx.x];
     bh = row_id / p.nQB;
     qb = row_id - bh * p.nQB;
     b = bh / p.Hq;
     h = bh - b * p.Hq;
     hkv = h / p.group;
     bhkv = b * (p.Hq / p.group) + hkv;
-    n_tiles = n >= 0 ? n : p.cnt[row_id];
+    n_tiles = p.cnt[row_id];
     tiles = p.idx + int64_t(row_id) * p.nKB;
   }
   // Steps of kHalves listed blocks.

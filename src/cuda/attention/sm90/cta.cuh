@@ -41,9 +41,6 @@ __device__ __forceinline__ void store_tile_tma(uint8_t* stage, int block_stride,
                                                int tid, int row_base, int h, int b, Pair pair) {
   const int lane = tid & 31, quad = lane & 3;
   const int r0 = (tid / 32) * 16 + lane / 4;
-  // A persistent CTA's previous row: its store has been read (the
-  // warpgroup's first thread waited for that) before the stage is rewritten.
-  named_bar_sync(kEpiBar0 + cw, 128);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = r0 + 8 * half;
@@ -93,66 +90,40 @@ __device__ __forceinline__ void write_output(const Params& p, const SM& sm, int 
 
 // The dynamic shared memory, its base aligned to 1024 bytes (the 128B
 // swizzle pattern of TMA and wgmma repeats every 1024 bytes; the allocation
-// carries 1 KiB of slack), and at byte offset `bar` ring_bars() words of 8
-// bytes: the barriers full[kStages], empty[kStages], the Q barrier (the row's
-// Q loaded), qfree (the consumers are done with the Q tile: a persistent
-// CTA's next row may load its own) and rowbar (the next row's slot is
-// written), then two row slots {row, count} that the producer fills for the
-// consumers, by the row's parity (row -1: no more rows).
-constexpr int ring_bars(int stages) { return 2 * stages + 5; }
+// carries 1 KiB of slack), and the barriers at byte offset `bar`: full[kStages],
+// empty[kStages], then the Q barrier.
 template <int kStages>
 struct SmemRing {
   uint8_t* base;
   uint64_t* full;
   uint64_t* empty;
   uint64_t* qbar;
-  uint64_t* qfree;
-  uint64_t* rowbar;
-  int2* rows;
   __device__ __forceinline__ SmemRing(uint8_t* raw, int bar) {
     base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
     full = reinterpret_cast<uint64_t*>(base + bar);
     empty = full + kStages;
     qbar = empty + kStages;
-    qfree = qbar + 1;
-    rowbar = qfree + 1;
-    rows = reinterpret_cast<int2*>(rowbar + 1);
   }
 };
 
-// The ring position of step `u` of a row whose first step is the CTA's
-// step g0 (the steps of its earlier rows): the slot and the phase parity of
-// that slot's barriers for this use.
-template <int kStages>
-struct RingPos {
-  int slot, phase;
-  __device__ __forceinline__ RingPos(int g0, int u) {
-    const int g = g0 + u;
-    slot = g % kStages;
-    phase = (g / kStages) & 1;
-  }
-};
 
 // Thread 0, before the CTA-wide barrier: initialises the ring (`full`: one
-// arrival plus the stage's bytes; `empty`: the 256 consumer threads), the Q
-// barrier, qfree (256 consumer threads) and rowbar, then issues the first row's Q
-// (`load_q`) and stage 0 (`load_stage(0, blocks)`). The row's first list
-// entries are read alongside its count (they are inside the row's nKB entries
-// whatever the count), so the first stage waits for one global load after
-// `order`, not two; the values past the count are dropped.
+// arrival plus the stage's bytes; `empty`: the 256 consumer threads) and the
+// Q barrier, then issues Q (`load_q`) and stage 0 (`load_stage(0, blocks)`).
+// The row's first list entries are read alongside its count (they are inside
+// the row's nKB entries whatever the count), so the first stage waits for one
+// global load after `order`, not two; the values past the count are dropped.
 template <int kStages, int kHalves, class LoadQ, class LoadStage>
-__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, const SmemRing<kStages>& ring,
-                                           LoadQ load_q, LoadStage load_stage) {
+__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, uint64_t* full, uint64_t* empty,
+                                           uint64_t* qbar, LoadQ load_q, LoadStage load_stage) {
   int first[kHalves];
 #pragma unroll
   for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < nKB) ? w.tiles[hh] : -1;
   for (int s = 0; s < kStages; ++s) {
-    mbar_init(&ring.full[s], 1);
-    mbar_init(&ring.empty[s], 256);
+    mbar_init(&full[s], 1);
+    mbar_init(&empty[s], 256);
   }
-  mbar_init(ring.qbar, 1);
-  mbar_init(ring.qfree, 256);
-  mbar_init(ring.rowbar, 1);
+  mbar_init(qbar, 1);
   mbar_fence_init();
   // Q first (it needs the row only), then stage 0; the consumers wait for Q
   // even on an empty row.
@@ -164,16 +135,13 @@ __device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_step
   }
 }
 
-// The producer thread: stages u0.. of a row (u0 = 1 for the first row, whose
-// stage 0 start_ring issued), each into the ring slot freed by the consumers;
-// g0 is the CTA's step count before this row.
+// The producer thread after the barrier: stages 1.. of the row, each into the
+// ring slot freed by the consumers.
 template <int kStages, int kHalves, class LoadStage>
-__device__ __forceinline__ void produce(const RowWork& w, int n_steps, int g0, int u0, uint64_t* empty,
-                                        LoadStage load_stage) {
-  for (int u = u0; u < n_steps; ++u) {
-    const int g = g0 + u;
-    const int s = g % kStages;
-    if (g >= kStages) mbar_wait(&empty[s], ((g / kStages) - 1) & 1);
+__device__ __forceinline__ void produce(const RowWork& w, int n_steps, uint64_t* empty, LoadStage load_stage) {
+  for (int u = 1; u < n_steps; ++u) {
+    const int s = u % kStages;
+    if (u >= kStages) mbar_wait(&empty[s], ((u / kStages) - 1) & 1);
     int kbh[kHalves];
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) kbh[hh] = w.block<kHalves>(u, hh);

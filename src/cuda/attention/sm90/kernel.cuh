@@ -2,18 +2,13 @@
 // mainloop (mainloop_int8_fp8.cuh: INT8_FP8 and split V;
 // mainloop_16bit.cuh: FP16 and INT8_FP16).
 //
-// A CTA computes 128-row query blocks of one (batch, head) over the key
-// blocks listed for them (the scheduling stage's work lists), rows of the
-// work order one after the other (persistent: the grid is at most one CTA per
-// SM, so that a row's Q and first stages load while the previous row's
-// epilogue runs; with a grid of one CTA per row each CTA takes one). Three
-// warpgroups:
-//   WG0  producer: one thread issues the mainloop's TMA loads of each row's Q
-//        (once the consumers are done with the previous row's, the qfree
-//        barrier) and, per step, of the step's listed K and V blocks into a
-//        ring of shared-memory stages guarded by full/empty mbarriers, whose
-//        slots and phases run on across the rows (the first row's Q and stage
-//        0 before the CTA-wide barrier), and draws the CTA's next row;
+// One CTA computes one 128-row query block of one (batch, head) over the key
+// blocks listed for it (the scheduling stage's work lists). Three warpgroups:
+//   WG0  producer: one thread issues the mainloop's TMA loads of Q (once) and,
+//        per step, of the step's listed K and V blocks into a ring of
+//        shared-memory stages guarded by full/empty mbarriers (Q and stage 0
+//        before the CTA-wide barrier); its second warp does the mainloop's
+//        side work (INT8_FP8: the V scales for the epilogue);
 //   WG1, WG2  consumers, 64 query rows each, steps of the mainloop's
 //        kHalves listed blocks. In its turn a warpgroup issues Q.K^T(u) then
 //        P.V(u-1); it takes the row max of step u while P.V(u-1) runs, then
@@ -42,9 +37,8 @@ constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 
 // The consumers' steps 0 .. n_steps-1 of one row (see the file comment).
-// g0: the CTA's steps before this row (the ring position of its step 0).
 template <class ML, class C, class Ring>
-__device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0) {
+__device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps) {
   constexpr int kHalves = ML::kHalves;
   constexpr int kStages = ML::Layout::kStages;
   const int me = c.cw, other = c.cw ^ 1;
@@ -60,10 +54,9 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   };
   // Step 0: Q.K^T alone, waited for.
   blocks(0);
-  const RingPos<kStages> r0(g0, 0);
-  mbar_wait(&ring.full[r0.slot], r0.phase);
+  mbar_wait(&ring.full[0], 0);
   {
-    const uint64_t dk = c.desc_k(r0.slot);
+    const uint64_t dk = c.desc_k(0);
     turn_begin(me);
     c.issue_qk(dk);
     wgmma_commit();
@@ -76,9 +69,8 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
   }
   for (int u = 1; u < n_steps; ++u) {
-    const RingPos<kStages> r(g0, u);
-    const int s = r.slot, sp = s == 0 ? kStages - 1 : s - 1;
-    mbar_wait(&ring.full[s], r.phase);
+    const int s = u % kStages, sp = (u - 1) % kStages;
+    mbar_wait(&ring.full[s], (u / kStages) & 1);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     blocks(u);
     turn_begin(me);
@@ -111,7 +103,7 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
     ap1 = ac1;
   }
   // The last turn: P.V of the last step.
-  const int sp = RingPos<kStages>(g0, n_steps - 1).slot;
+  const int sp = (n_steps - 1) % kStages;
   const uint64_t dv = c.desc_v(sp);
   turn_begin(me);
   c.issue_pv(dv, pa);
@@ -132,8 +124,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_con
   static_assert(kHalves <= kListReadAhead, "the first step reads more list entries than the scheduler defines");
   extern __shared__ uint8_t smem_raw[];
   const SmemRing<kStages> ring(smem_raw, L::kBar);
-  RowWork w(p);
-  int n_steps = w.steps<kHalves>();
+  const RowWork w(p);
+  const int n_steps = w.steps<kHalves>();
   // Stage s <- the step's listed blocks. A missing block (an odd count at
   // the end of a row) loads the first again: finite data whose scores are
   // masked, so every stage completes the same byte count.
@@ -147,68 +139,25 @@ __global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_con
   };
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0)
-    start_ring<kStages, kHalves>(w, p.nKB, n_steps, ring, [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); },
-                                 load_stage);
+    start_ring<kStages, kHalves>(w, p.nKB, n_steps, ring.full, ring.empty, ring.qbar,
+                                 [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); }, load_stage);
   __syncthreads();
 
-  // The CTA's rows: its first is entry blockIdx.x of the work order, the
-  // next ones entries gridDim.x + (the row counter after the order, which the
-  // order's builder zeroed, drawn by atomicAdd): a CTA takes a row when it
-  // starts the one before, so the long rows at the head of each group spread
-  // over the SMs as with one CTA per row. The producer hands each next row to
-  // the consumers through ring.rows[parity] before its Q barrier. g0 counts
-  // the ring steps of the rows before.
-  int g0 = 0;
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
     if (threadIdx.x == 0) {
-      int* counter = const_cast<int*>(p.order) + p.n_rows;
-      for (int t = 0;; ++t) {
-        // The next row, drawn now and used after this one's stages.
-        int next = p.n_rows;
-        if constexpr (ML::kPersistent) {
-          const int64_t e = int64_t(gridDim.x) + atomicAdd(counter, 1);
-          if (e < p.n_rows) next = int(e);
-        }
-        produce<kStages, kHalves>(w, n_steps, g0, t > 0 ? 0 : 1, ring.empty, load_stage);
-        if constexpr (!ML::kPersistent) break;
-        g0 += n_steps;
-        int row = -1, n = 0;
-        if (next < p.n_rows) {
-          row = p.order[next];
-          n = p.cnt[row];
-        }
-        mbar_wait(ring.qfree, t & 1);  // the consumers are done with this row's Q tile
-        ring.rows[(t + 1) & 1] = make_int2(row, n);
-        mbar_arrive(ring.rowbar);
-        if (row < 0) break;  // no more rows
-        w = RowWork(p, row, n);
-        n_steps = w.steps<kHalves>();
-        ML::load_q(maps, p, w, ring.base, ring.qbar);
-      }
+      produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
+    } else if (threadIdx.x >= 32 && threadIdx.x < 64) {
+      ML::producer_side(p, w, ring.base, threadIdx.x - 32);
     }
     return;
   }
 
   regs_alloc<kConsumerRegs>();
-  const int tid = threadIdx.x - 128 * wg;
-  for (int t = 0;; ++t) {
-    if (t > 0) {
-      mbar_wait(ring.rowbar, (t - 1) & 1);
-      const int2 r = ring.rows[t & 1];
-      if (r.x < 0) break;
-      w = RowWork(p, r.x, r.y);
-      n_steps = w.steps<kHalves>();
-    }
-    typename ML::Consumer c(p, wg - 1, tid, w, ring.base, t & 1);
-    mbar_wait(ring.qbar, t & 1);
-    if (n_steps > 0) consume<ML>(c, w, ring, n_steps, g0);
-    if constexpr (!ML::kOutInQ) mbar_arrive(ring.qfree);
-    c.epilogue(maps, ring.base, tid);
-    if constexpr (ML::kOutInQ) mbar_arrive(ring.qfree);  // the output was staged in the Q tile
-    if constexpr (!ML::kPersistent) break;
-    g0 += n_steps;
-  }
+  typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
+  mbar_wait(ring.qbar, 0);
+  if (n_steps > 0) consume<ML>(c, w, ring, n_steps);
+  c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
 #else
   __trap();  // built for another architecture: the registry must not offer this
 #endif

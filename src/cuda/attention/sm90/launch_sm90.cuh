@@ -54,8 +54,7 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   const Problem& pb = a.prob;
   s->p = attn::make_params(a);
   Params& p = s->p;
-  s->grid = ML::kPersistent ? kernel_grid(pb.B * pb.Hq * pb.nQB, pb.device_id)
-                            : static_cast<unsigned>(pb.B * pb.Hq * pb.nQB);
+  s->grid = static_cast<unsigned>(pb.B * pb.Hq * pb.nQB);
   const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
   // The FP16 mode reads the caller's tensors by TMA (16-byte rows); the int8
   // modes write the output in 4-byte pairs where the TMA store does not apply.

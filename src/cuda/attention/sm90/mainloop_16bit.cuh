@@ -83,7 +83,7 @@ struct Mainloop16 {
     static constexpr int kOut = (kV + kStages * kVStage + 1023) / 1024 * 1024;
     static constexpr int kOutBytes = kI8 ? 2 * 64 * Dk * 2 : 0;
     static constexpr int kBar = kI8 ? kOut + kOutBytes : kV + kStages * kVStage;
-    static constexpr int kBytes = kBar + ring_bars(kStages) * 8;
+    static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
     static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
   };
   using SM = OnlineSoftmax<kHalves, kCausal, kI8, Pack16<T>, kI2fp, kPoly>;
@@ -120,11 +120,7 @@ struct Mainloop16 {
       tma_load_4d(sv + off, &m.v, full, cb * 64, kb * 64, w.hkv, w.b);
     }
   }
-  // FP16 stages the output in the Q tile: a next row's Q waits for the epilogue.
-  static constexpr bool kOutInQ = !kI8;
-  // Persistent CTAs (kernel.cuh) at Dk <= 128; at 256 the rows' loop state
-  // makes ptxas spill in the 128-register O accumulator's neighbourhood.
-  static constexpr bool kPersistent = Dk <= 128;
+  __device__ __forceinline__ static void producer_side(const Params&, const RowWork&, uint8_t*, int) {}
 
   struct Consumer : ConsumerBase<SM, kI8> {
     using Base = ConsumerBase<SM, kI8>;
@@ -145,7 +141,7 @@ struct Mainloop16 {
     Acc s[SM::NS];
     float o[NO];
 
-    __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base, int /*row parity*/)
+    __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base)
         : Base(p_, cw_, tid, w), sq(base + Layout::kQ), sk(base + Layout::kK), sv(base + Layout::kV) {
       // This warpgroup's 64 rows of Q (first column block).
       desc_q = make_smem_desc(sq + cw * 64 * (kI8 ? Layout::kW8 : 128), kSwzQK, kSboQK);

@@ -6,8 +6,8 @@
 //   O_tile = P V fp8 wgmma m64nDk32 (QGMMA) into a fresh accumulator, then
 //   O = O * alpha + O_tile in fp32 (two-level accumulation: the fp8
 //                tensor-core accumulator is not full fp32).
-// Split V (kVTerms = 2) adds P V_lo into the same O_tile. The consumers
-// stage each row's per-channel V scales for the epilogue.
+// Split V (kVTerms = 2) adds P V_lo into the same O_tile. The producer's
+// second warp stages the per-channel V scales for the epilogue.
 #pragma once
 #include <cuda.h>
 
@@ -26,7 +26,7 @@ using attn::OnlineSoftmax;
 using attn::pack16;
 using attn::PackE4M3;
 
-constexpr int kVScaleBar = 3;  // named barrier 3: the row's V scales in shared memory are ready
+constexpr int kVScaleBar = 3;  // named barrier 3: the V scales in shared memory are ready
 
 template <int D, bool kCausal, int kVTerms>
 struct MainloopInt8Fp8 {
@@ -48,8 +48,6 @@ struct MainloopInt8Fp8 {
   // The row max of step u under P.V(u-1): yes, except causal Dk = 128, where
   // the longer live ranges make ptxas spill (H200 A/B: +9 % there).
   static constexpr bool kMaxUnderPV = !(kCausal && Dk == 128);
-  static constexpr bool kOutInQ = false;  // the output is staged in its own region (Layout::kOut)
-  static constexpr bool kPersistent = true;
 
   // A stage holds kHalves K tiles (64 x Dk int8, stacked: one kKeys-row
   // operand) and as many V^T tiles (Dk x 64 fp8, one after the other), times
@@ -70,11 +68,11 @@ struct MainloopInt8Fp8 {
     // has room (all but split V at Dk = 128, which keeps direct stores).
     static constexpr int kOut = (kV + kStages * kVStage + 1023) / 1024 * 1024;
     static constexpr int kOutWanted = 2 * 64 * Dk * 2;
-    static constexpr bool kOutFits = kOut + kOutWanted + 2 * Dk * 4 + ring_bars(kStages) * 8 + 1024 <= 227 * 1024;
+    static constexpr bool kOutFits = kOut + kOutWanted + Dk * 4 + (2 * kStages + 1) * 8 + 1024 <= 227 * 1024;
     static constexpr int kOutBytes = kOutFits ? kOutWanted : 0;
-    static constexpr int kVScale = kOut + kOutBytes;  // 2 x Dk floats: v_amax / 448, by the row's parity
-    static constexpr int kBar = kVScale + 2 * Dk * 4;
-    static constexpr int kBytes = kBar + ring_bars(kStages) * 8;
+    static constexpr int kVScale = kOut + kOutBytes;  // Dk floats: v_amax / 448
+    static constexpr int kBar = kVScale + Dk * 4;
+    static constexpr int kBytes = kBar + (2 * kStages + 1) * 8;
     static constexpr int kAlloc = kBytes + 1024;  // room to align the base to 1024
   };
   static constexpr bool kTmaStore = Layout::kOutBytes > 0;
@@ -94,6 +92,16 @@ struct MainloopInt8Fp8 {
     tma_load_2d(sv + hh * Layout::kVTile, &m.v, full, kb * 64, w.bhkv * Dk);
     if (kVTerms == 2) tma_load_2d(sv + Layout::kVBytes + hh * Layout::kVTile, &m.v2, full, kb * 64, w.bhkv * Dk);
   }
+  // The producer's second warp: the epilogue's V scales into shared memory
+  // (their latency off the tail of the CTA).
+  __device__ __forceinline__ static void producer_side(const Params& p, const RowWork& w, uint8_t* base, int lane) {
+    float* vs = reinterpret_cast<float*>(base + Layout::kVScale);
+    const float* vamax = p.v_amax + int64_t(w.bhkv) * Dk;
+    constexpr float kDequantPV = 1.f / kFp8Max;  // l carries the other 1/448
+    for (int i = lane; i < Dk; i += 32) vs[i] = vamax[i] * kDequantPV;
+    named_bar_arrive(kVScaleBar, 256 + 32);
+  }
+
   struct Consumer : ConsumerBase<SM, true> {
     using Base = ConsumerBase<SM, true>;
     using Base::p, Base::cw, Base::b, Base::h, Base::sm;
@@ -104,20 +112,13 @@ struct MainloopInt8Fp8 {
 
     const uint8_t* sk;
     const uint8_t* sv;
-    const int par;  // the row's parity: its V scales' buffer
     uint64_t desc_q;
     int32_t s[SM::NS];
     float o[NO];
     float o_tile[NO];
 
-    // par: the row's parity (which of the two V-scale buffers it stages:
-    // the other may still be read by the previous row's epilogue).
-    __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base, int par_)
-        : Base(p_, cw_, tid, w), sk(base + Layout::kK), sv(base + Layout::kV), par(par_) {
-      float* vs = reinterpret_cast<float*>(base + Layout::kVScale) + par_ * Dk;
-      constexpr float kDequantPV = 1.f / kFp8Max;  // l carries the other 1/448
-      const int i = cw * 128 + tid;
-      if (i < Dk) vs[i] = p.v_amax[int64_t(w.bhkv) * Dk + i] * kDequantPV;
+    __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base)
+        : Base(p_, cw_, tid, w), sk(base + Layout::kK), sv(base + Layout::kV) {
       desc_q = make_smem_desc(base + Layout::kQ + cw * 64 * Dk, kSwz, kSboQK);
 #pragma unroll
       for (int j = 0; j < NO; ++j) o[j] = 0.f;
@@ -163,14 +164,12 @@ struct MainloopInt8Fp8 {
     }
 
     // (O / l) * (v_amax / 448) as 16-bit pairs; the LSE adds back q.mu and
-    // removes P's 448. The barrier orders the V scales' staging (the
-    // constructor) before these reads, and these before the staging of the
-    // row after next into the same buffer.
+    // removes P's 448.
     __device__ __forceinline__ void epilogue(const Maps& m, uint8_t* base, int tid) {
       float inv0, inv1;
       sm.finish(inv0, inv1);
-      named_bar_sync(kVScaleBar, 256);
-      const float* vscale = reinterpret_cast<const float*>(base + Layout::kVScale) + par * Dk;
+      named_bar_sync(kVScaleBar, 256 + 32);
+      const float* vscale = reinterpret_cast<const float*>(base + Layout::kVScale);
       const bool bf16 = p.out_bf16 != 0;
       auto pair = [&](int c, int half) -> uint32_t {
         const int col = 8 * c + 2 * sm.quad;

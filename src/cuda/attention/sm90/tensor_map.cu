@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 
 #include "core/error.hpp"
@@ -77,24 +76,6 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 }
 
 bool tma_store_from_env() { return dev_switches().tma_store; }
-
-unsigned kernel_grid(int64_t rows, int device) {
-  if (rows <= 0) return 0;
-  const int cap = dev_switches().persistent_ctas;
-  if (cap == 0) return static_cast<unsigned>(rows);
-  if (cap > 0) return static_cast<unsigned>(std::min<int64_t>(rows, cap));
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> sms[kMaxDevices] = {};
-  int n = (device >= 0 && device < kMaxDevices) ? sms[device].load(std::memory_order_relaxed) : 0;
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
-      (void)cudaGetLastError();  // the query's error is not the caller's
-      return static_cast<unsigned>(rows);
-    }
-    if (device >= 0 && device < kMaxDevices) sms[device].store(n, std::memory_order_relaxed);
-  }
-  return static_cast<unsigned>(std::min<int64_t>(rows, n));
-}
 
 }  // namespace sm90
 }  // namespace cuda

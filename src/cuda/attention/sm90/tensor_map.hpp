@@ -37,13 +37,6 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 // the TMA store through shared memory where a kernel has room for it.
 bool tma_store_from_env();
 
-// The grid of a call with `rows` mask rows on `device`: one CTA per SM at
-// most (the kernels are persistent, one CTA of 384 threads per SM), or one
-// per row with SPARGE_PERSISTENT=0 (developer switches, cuda/common/switches.hpp:
-// =N caps the grid at N). The SM count is read once per device; a failed
-// query gives one CTA per row.
-unsigned kernel_grid(int64_t rows, int device);
-
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace sparge
