@@ -26,7 +26,9 @@ library call replaced by a C function that does nothing (sparge_has_cuda of a CP
 returns 0, called through the same ctypes prototype). It prints the best over --repeats batches of
 --noop-calls calls, the cached and the general path alternating, for sparge.attention with a block
 mask, without one, with return_lse, and sparge.sdpa; "ctypes" is the no-op called directly with the
-prepared arguments (the floor: what remains of a call when the Python layer costs nothing):
+prepared arguments (the floor: what remains of a call when the Python layer costs nothing), through
+the prototype of the general path (integer arguments) and, where the package has it, without one
+(prebuilt ctypes arguments: what the cached path calls):
 
   SPARGE_LIBRARY=build-cpu/libsparge.so PYTHONPATH=bindings/python python3 tools/bench/host_overhead.py --noop-c
 """
@@ -120,7 +122,9 @@ def noop_main(args) -> int:
         return 2
     vp = ctypes.c_void_p
     noop = C.lib.raw("sparge_has_cuda", [vp] * 9 + [ctypes.c_size_t, vp])  # sparge_attention_run's prototype
-    _core._RUN_FN = noop  # what both paths call
+    _core._RUN_FN = noop  # what the general path calls
+    if hasattr(_core, "_RUN_FN_NOPROTO"):  # what the cached path calls: no prototype, prebuilt arguments
+        _core._RUN_FN_NOPROTO = C.lib.raw("sparge_has_cuda", None)
     B, H, L, D = (int(x) for x in args.noop_shape.lower().split("x"))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -140,6 +144,12 @@ def noop_main(args) -> int:
     args0 = (0, 0, 0, 0, 0, 0, 0, 0, None, 0, None)
     floor = min(timeit.repeat(lambda: noop(*args0), number=args.noop_calls, repeat=args.repeats))
     print("ctypes (the no-op with prepared arguments): %.2f us" % (floor / args.noop_calls * 1e6))
+    if hasattr(_core, "_RUN_FN_NOPROTO"):
+        raw = _core._RUN_FN_NOPROTO
+        args1 = tuple(ctypes.c_void_p(1 + i) for i in range(9)) + (ctypes.c_size_t(0), None)
+        floor = min(timeit.repeat(lambda: raw(*args1), number=args.noop_calls, repeat=args.repeats))
+        print("ctypes, no prototype (prebuilt ctypes arguments, as the cached path calls): %.2f us"
+              % (floor / args.noop_calls * 1e6))
     print("%-16s %10s %10s   (us per call, best of %d batches of %d)" % ("call", "cached", "general", args.repeats,
                                                                         args.noop_calls))
     for name, fn in cases:

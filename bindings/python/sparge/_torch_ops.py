@@ -213,34 +213,86 @@ def eager_direct_ok(*tensors: Any) -> bool:
 # call: an entry never keeps a plan that PLANS evicted or a workspace that the allocator replaced
 # (either sends the call through the checks again). CUDA graph capture, a CUDA device that is not
 # the current one, torch.compile tracing and dispatch modes take the general path.
+#
+# A hit costs what it must read (five properties of each tensor, the thread, the stream), one dict
+# look-up, the output allocation and the library call, little more:
+# - the key is a flat tuple of the values that are cheap to hash (options, thread, stream, q's
+#   device, the data pointers); the tensors' other properties (``meta``: shapes, strides, dtypes,
+#   devices) are compared with the entry's, not hashed. A caller's output, rare, nests both. An
+#   entry whose meta differs is built again and replaces the old one;
+# - an entry is a plain tuple, unpacked at once;
+# - the output is torch.empty_like(q) when q is dense with the output's strides (a contiguous q:
+#   empty_like then takes torch's cheapest allocation path, empty_strided with q's strides, which
+#   the meta fixes), else, like the LSE, torch.empty_like of a template: one element expanded to
+#   the output's shape, which is not dense, so empty_like makes a new contiguous tensor. Either is
+#   checked against new_empty(shape, dtype=...), the general path's allocation, when the entry is
+#   built;
+# - the library function has no prototype (argtypes None) and the entry's arguments are prebuilt
+#   ctypes objects (c_void_p, c_size_t), so a call converts nothing.
 
 _U8, _BOOL, _F32 = torch.uint8, torch.bool, torch.float32
-_CONTIGUOUS = torch.contiguous_format
 _empty_like = torch.empty_like
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 _CUDA_FAST = _raw_stream is not None and _get_device is not None and _capturing is not None
 _get_ident = threading.get_ident
+_VP, _SIZE_T = ctypes.c_void_p, ctypes.c_size_t
+# torch.empty_like propagates dimension names (torch versions with named tensors): a q template
+# would then give a named output where new_empty gives none.
+_NAMED = hasattr(Tensor, "refine_names")
+
+
+def _false() -> bool:
+    return False
+
+
+def _zero() -> int:
+    return 0
+
+
+# (the fast path calls these unconditionally; torch.compiler.is_compiling itself, so that dynamo
+# recognizes it while tracing)
+_is_compiling_fast = _is_compiling if _is_compiling is not None else _false
+_len_modes_fast = _len_modes if _len_modes is not None else _zero
 
 _CALLS: dict = {}
 _CALLS_CAPACITY = 256
 _CALLS_LOCK = threading.Lock()
+# One-element tensors per (device, dtype), expanded into the entries' output templates (a template
+# costs no memory of its own).
+_BASES: dict = {}
 
 
-class _Call:
-    """What the checks of a key's first call produced, ready to be passed to the library again."""
-
-    __slots__ = ("fn", "args", "buf", "params", "plan_ref", "ws_ref", "ws_get", "ws_key", "out_slot", "lse_slot",
-                 "lse_shape")
-
-    def __init__(self) -> None:
-        self.out_slot: Any = None
-        self.lse_slot: Any = None
+def _template(like: Tensor, shape: Tuple[int, ...], dtype: Any) -> Tuple[Any, Tensor]:
+    """(template, first): ``first`` is like.new_empty(shape, dtype=dtype), the general path's output,
+    and torch.empty_like(template) makes a tensor with its shape, strides, dtype and device. The
+    template is False when empty_like of the expanded tensor would not (then the entry allocates
+    with new_empty)."""
+    first = like.new_empty(shape, dtype=dtype)
+    key = (first.device, dtype)
+    base = _BASES.get(key)
+    if base is None:
+        base = _BASES[key] = like.new_empty((1,), dtype=dtype)
+    tmpl = base.expand(shape)
+    t = _empty_like(tmpl)
+    if (t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+            or t.device != first.device or t.requires_grad or first.requires_grad):
+        tmpl = False
+    return tmpl, first
 
 
 def _build_call(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Optional[Tensor], r: Any,
-                want_lse: bool, stream: int) -> Tuple[_Call, Tensor, Optional[Tensor]]:
+                want_lse: bool, stream: int) -> Tuple[tuple, Tensor, Optional[Tensor]]:
     """The checks of run_attention and core.attention, in their order, for a key's first call:
-    (the entry, this call's output, its LSE or None), the entry's descriptors set for those two."""
+    (the entry, this call's output, its LSE or None), the entry's descriptors set for those two.
+
+    An entry is the tuple (fn, args, plan_ref, ws_ref, ws_get, ws_key, out_slot, out_tmpl, lse_slot,
+    lse_tmpl, keep): ``fn(*args)`` is the library call; ``plan_ref``/``ws_ref`` weak references to
+    the plan and the workspace buffer (``ws_ref`` None: no workspace), ``ws_get(ws_key)`` the
+    allocator's current buffer; ``out_slot``/``lse_slot`` the descriptors' data fields of the output
+    and the LSE (None: the caller's output / no LSE), ``out_tmpl``/``lse_tmpl`` their templates
+    (_template; for the output None: empty_like(q), False: new_empty); ``keep`` what the arguments
+    point into and the shapes of the output and the LSE. fast_attention stores it with the key's
+    meta in front."""
     opts = r.opts
     qv, kv, vv = torch_view(q), torch_view(k), torch_view(v)
     s = core.check_qkv(qv, kv, vv, opts.layout)
@@ -249,15 +301,27 @@ def _build_call(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Op
     plan = core._check_plan(None, s, qv, opts)
     if mv is not None:
         core.check_mask(mv, s, plan, qv)
+    oshape = core.out_shape(s, opts.layout)
+    out_tmpl = lse_tmpl = None
     if out is not None:
-        core.check_out(ov, core.out_shape(s, opts.layout), qv.dtype, qv)
+        core.check_out(ov, oshape, qv.dtype, qv)
         res = out
-    else:  # the output of every later call has the strides of this one (contiguous, q's shape)
-        res = _empty_like(q, memory_format=_CONTIGUOUS)
+    else:  # the general path's output: contiguous, q's shape and dtype
+        out_tmpl, res = _template(q, oshape, q.dtype)
+        if not _NAMED and tuple(oshape) == tuple(q.shape) and q.stride() == res.stride():
+            # q itself: dense with those strides (the common case: a contiguous q), so empty_like(q)
+            # is the same allocation through torch's cheapest path (empty_strided with q's strides,
+            # which the entry's meta fixes)
+            t = _empty_like(q)
+            if (t.shape == res.shape and t.stride() == res.stride() and t.dtype == res.dtype and t.device == res.device
+                    and not t.requires_grad):
+                out_tmpl = None  # (not q itself: an entry must not keep q's memory)
         ov = torch_view(res)
     lshape = (s.B, s.Hq, s.Lq)
-    lse = q.new_empty(lshape, dtype=_F32) if want_lse else None
-    lv = torch_view(lse) if lse is not None else None
+    lse = lv = None
+    if want_lse:
+        lse_tmpl, lse = _template(q, lshape, _F32)
+        lv = torch_view(lse)
     alloc = torch_allocator()
     params, _ = core._params(opts, alloc, qv, s.Hq, None, None, None)
     ws, ws_bytes, ws_obj = core._workspace(alloc, plan, qv, stream, None)
@@ -266,27 +330,30 @@ def _build_call(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Op
         perm = None
     buf, (qa, ka, va, ma, oa, la) = core._descriptors(((qv, perm), (kv, perm), (vv, perm), (mv, None), (ov, perm),
                                                        (lv, None)))
-    c = _Call()
-    c.fn = core._run_fn()
-    c.args = (plan.handle, qa, ka, va, ma, ctypes.addressof(params), oa, la, ws or None, ws_bytes, stream or None)
-    c.buf, c.params = buf, params
-    c.plan_ref = weakref.ref(plan)
-    c.ws_get = c.ws_ref = c.ws_key = None
+
+    def vp(x: Optional[int]) -> Any:
+        return _VP(x) if x else None
+
+    args = (vp(plan.handle), vp(qa), vp(ka), vp(va), vp(ma), vp(ctypes.addressof(params)), vp(oa), vp(la), vp(ws),
+            _SIZE_T(ws_bytes), vp(stream))
+    ws_ref = ws_get = ws_key = None
     if ws_obj is not None:  # the allocator's buffer of this stream (CUDA) or thread (CPU)
-        c.ws_ref = weakref.ref(ws_obj)
+        ws_ref = weakref.ref(ws_obj)
         if qv.device_type == C.DEVICE_CPU:
-            c.ws_get, c.ws_key = alloc._host._bufs.get, _get_ident()
+            ws_get, ws_key = alloc._host._bufs.get, _get_ident()
         else:
-            c.ws_get, c.ws_key = alloc._ws._d.get, (qv.device_id, int(stream))
+            ws_get, ws_key = alloc._ws._d.get, (qv.device_id, int(stream))
+    out_slot = lse_slot = None
     if out is None:
-        c.out_slot = ctypes.c_uint64.from_buffer(buf, oa - ctypes.addressof(buf))  # sparge_tensor_t.data
+        out_slot = ctypes.c_uint64.from_buffer(buf, oa - ctypes.addressof(buf))  # sparge_tensor_t.data
     if want_lse:
-        c.lse_slot = ctypes.c_uint64.from_buffer(buf, la - ctypes.addressof(buf))
-        c.lse_shape = lshape
+        lse_slot = ctypes.c_uint64.from_buffer(buf, la - ctypes.addressof(buf))
+    c = (core._run_fn_noproto(), args, weakref.ref(plan), ws_ref, ws_get, ws_key, out_slot, out_tmpl, lse_slot,
+         lse_tmpl, (buf, params, oshape, lshape))
     return c, res, lse
 
 
-def _remember(key: tuple, c: _Call) -> None:
+def _remember(key: tuple, c: tuple) -> None:
     with _CALLS_LOCK:
         if key not in _CALLS and len(_CALLS) >= _CALLS_CAPACITY:
             for old in _CALLS:  # the oldest entry (dicts keep insertion order)
@@ -298,81 +365,94 @@ def _remember(key: tuple, c: _Call) -> None:
 def clear_calls() -> None:
     with _CALLS_LOCK:
         _CALLS.clear()
+        _BASES.clear()
 
 
 def fast_attention(q: Any, k: Any, v: Any, r: Any, mask: Any, out: Any, return_lse: Any) -> Any:
     """``sparge.attention``'s result for an eager torch call through the cache above, or None when
     this call is not one for it (the caller then takes the general path)."""
-    if _is_compiling is not None and _is_compiling():
+    if _is_compiling_fast() or _len_modes_fast():
         return None
-    if _len_modes is not None and _len_modes():
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or not r.shared:
         return None
-    if not r.shared or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-        return None
-    want_lse = bool(return_lse)
+    want_lse = True if return_lse else False
+    # The key: the options, the thread, the stream, q's device and the data pointers (cheap to hash);
+    # the entry's ``meta``: shapes, strides, dtypes and devices, compared, not hashed. An entry whose
+    # meta differs is built again and replaces the old one (one entry per key).
     try:
         if q.is_cuda:
             if not _CUDA_FAST:
                 return None
-            index = q.get_device()
-            if index != _get_device() or _capturing():
+            dev = q.get_device()  # an int: never equal to the torch.device of a key of another device
+            if dev != _get_device() or _capturing():
                 return None
-            stream = _raw_stream(index)
+            stream = _raw_stream(dev)
         else:
+            dev = q.device
             stream = 0
         if mask is None:
-            mk = None
+            key = (r, want_lse, _get_ident(), stream, dev, q.data_ptr(), k.data_ptr(), v.data_ptr())
+            meta = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, k.device,
+                    v.shape, v.stride(), v.dtype, v.device)
         else:
             if type(mask) is not Tensor:
                 return None
             md = mask.dtype
             if md is not _U8 and md is not _BOOL:  # other dtypes are converted by the general path
                 return None
-            mk = (mask.data_ptr(), mask.shape, mask.stride(), md, mask.device)
-        if out is None:
-            ok = None
-        else:
+            key = (r, want_lse, _get_ident(), stream, dev, q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr())
+            meta = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, k.device,
+                    v.shape, v.stride(), v.dtype, v.device, mask.shape, mask.stride(), md, mask.device)
+        if out is not None:
             if type(out) is not Tensor:
                 return None
-            ok = (out.data_ptr(), out.shape, out.stride(), out.dtype, out.device)
-        key = (r, want_lse, _get_ident(), stream,
-               q.data_ptr(), q.shape, q.stride(), q.dtype, q.device,
-               k.data_ptr(), k.shape, k.stride(), k.dtype, k.device,
-               v.data_ptr(), v.shape, v.stride(), v.dtype, v.device, mk, ok)
+            key = (key, out.data_ptr())
+            meta = (meta, out.shape, out.stride(), out.dtype, out.device)
     except Exception:  # whatever the general path makes of these tensors
         return None
     c = _CALLS.get(key)
-    if c is not None:
-        plan = c.plan_ref()
-        if c.ws_get is None:
+    if c is not None and c[0] == meta:
+        _, fn, args, plan_ref, ws_ref, ws_get, ws_key, out_slot, out_tmpl, lse_slot, lse_tmpl, keep = c
+        # plan and ws stay referenced until the call has returned (the workspace is not freed meanwhile).
+        plan = plan_ref()
+        if ws_ref is None:
             ws = None
         else:
-            ws = c.ws_ref()
-            if ws is None or c.ws_get(c.ws_key) is not ws:
-                c = None  # the allocator replaced the workspace: check again
-        if plan is None:
-            c = None  # PLANS evicted the plan: check again
-    if c is None:
-        try:
-            c, res, lse = _build_call(q, k, v, mask, out, r, want_lse, stream)
-        except Exception:
-            return None  # the general path raises its error
-        plan = c.plan_ref()
-        ws = c.ws_ref() if c.ws_ref is not None else None
-        if plan is None or (c.ws_ref is not None and ws is None):
-            return None
-        _remember(key, c)
-    else:
-        if c.out_slot is not None:
-            res = _empty_like(q, memory_format=_CONTIGUOUS)
-            c.out_slot.value = res.data_ptr()
-        else:
-            res = out
-        if want_lse:
-            lse = q.new_empty(c.lse_shape, dtype=_F32)
-            c.lse_slot.value = lse.data_ptr()
-    # plan and ws stay referenced until the call has returned (the workspace is not freed meanwhile).
-    st = c.fn(*c.args)
+            ws = ws_ref()
+            if ws is None or ws_get(ws_key) is not ws:
+                plan = None  # the allocator replaced the workspace: check again
+        if plan is not None:  # (else PLANS evicted the plan: check again)
+            if out_slot is None:
+                res = out
+            else:
+                if out_tmpl is None:
+                    res = _empty_like(q)
+                elif out_tmpl is not False:
+                    res = _empty_like(out_tmpl)
+                else:
+                    res = q.new_empty(keep[2])
+                out_slot.value = res.data_ptr()
+            if lse_slot is None:
+                st = fn(*args)
+                if st:
+                    C.check(st, "sparge_attention_run")
+                return res
+            lse = _empty_like(lse_tmpl) if lse_tmpl is not False else q.new_empty(keep[3], dtype=_F32)
+            lse_slot.value = lse.data_ptr()
+            st = fn(*args)
+            if st:
+                C.check(st, "sparge_attention_run")
+            return res, lse
+    try:
+        c, res, lse = _build_call(q, k, v, mask, out, r, want_lse, stream)
+    except Exception:
+        return None  # the general path raises its error
+    plan = c[2]()
+    ws = c[3]() if c[3] is not None else None
+    if plan is None or (c[3] is not None and ws is None):
+        return None
+    _remember(key, (meta,) + c)
+    st = c[0](*c[1])
     if st:
         C.check(st, "sparge_attention_run")
     return (res, lse) if want_lse else res
