@@ -1,6 +1,6 @@
 # Checks of the sparge tool's script-facing output (run by CTest with -DSPARGE=<tool> -DVERSION=<x.y.z>):
-# --version, --json (parsed with string(JSON)), --csv, GNU-style attached short options (-L256, -H2),
-# and the order of stdout and stderr when both go to one pipe.
+# --version, --json (parsed with string(JSON)), the default estimator and --estimator, --csv, GNU-style attached
+# short options (-L256, -H2), and the order of stdout and stderr when both go to one pipe.
 cmake_minimum_required(VERSION 3.22)
 
 execute_process(COMMAND ${SPARGE} --version OUTPUT_VARIABLE out RESULT_VARIABLE rc)
@@ -32,6 +32,17 @@ if(NOT err STREQUAL "")
   message(FATAL_ERROR "--json --no-progress wrote to stderr: ${err}")
 endif()
 
+# The default estimator is keys_lse; --estimator mean selects the SpargeAttn rule.
+string(JSON est GET "${js}" sparsity estimator)
+execute_process(COMMAND ${SPARGE} ${run} --json --estimator mean OUTPUT_VARIABLE js_mean RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "--json --estimator mean: exit ${rc}")
+endif()
+string(JSON est_mean GET "${js_mean}" sparsity estimator)
+if(NOT est STREQUAL "keys_lse" OR NOT est_mean STREQUAL "mean")
+  message(FATAL_ERROR "estimator: default '${est}' (expected keys_lse), --estimator mean gives '${est_mean}'")
+endif()
+
 execute_process(COMMAND ${SPARGE} ${run} --csv OUTPUT_VARIABLE csv RESULT_VARIABLE rc)
 string(REGEX MATCHALL "[^\n]+" lines "${csv}")
 list(LENGTH lines n)
@@ -50,4 +61,4 @@ string(FIND "${both}" "SPARGE_ERR_INVALID_ARGUMENT" at_error)
 if(NOT rc EQUAL 1 OR at_header LESS 0 OR at_error LESS at_header)
   message(FATAL_ERROR "merged output out of order (exit ${rc}):\n${both}")
 endif()
-message(STATUS "sparge tool: --version, --json, --csv, -L256 and output order ok")
+message(STATUS "sparge tool: --version, --json, --estimator, --csv, -L256 and output order ok")

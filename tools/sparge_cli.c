@@ -202,6 +202,8 @@ static const char* precision_name(sparge_precision_t p) {
   }
 }
 
+static const char* estimator_name(int e) { return e == SPARGE_ESTIMATOR_MEAN ? "mean" : "keys_lse"; }
+
 /* ------------------------------------------------------------------ random numbers */
 
 typedef struct {
@@ -241,6 +243,7 @@ typedef struct {
   float topk, cdf, sim_threshold;
   int sink, smooth_k;
   int window; /* -1: the default of the mode */
+  int estimator; /* SPARGE_ESTIMATOR_* */
   int iters, warmup; /* -1: default for the device */
   uint64_t seed;
   int nhd;
@@ -310,6 +313,8 @@ static void usage(FILE* f) {
           "  --sink | --no-sink     keep the first key block (counted in the budget; default: on)\n"
           "  --window W             keep the diagonal key blocks and W-1 more per side (default: 2 when causal)\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
+          "  --estimator keys_lse|mean  block importance (default keys_lse: pooled q against every\n"
+          "                         key; mean: pooled q against pooled k, the SpargeAttn rule)\n"
           "  --precision int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
           "                         (default int8_fp8; int8_fp8_split_v: V as two e4m3 terms,\n"
           "                         smaller P.V error, one more fp8 P.V product; int8_fp16:\n"
@@ -365,6 +370,7 @@ static void parse_args(int argc, char** argv, options_t* o) {
   o->smooth_k = 1;
   o->sink = -1;
   o->window = -1;
+  o->estimator = SPARGE_ESTIMATOR_KEYS_LSE;
   o->iters = o->warmup = -1;
   o->rows = 128;
   o->min_cos = -1.0;
@@ -460,6 +466,14 @@ static void parse_args(int argc, char** argv, options_t* o) {
       o->window = (int)w;
     } else if (!strcmp(flag, "--no-smooth-k")) {
       o->smooth_k = 0;
+    } else if (!strcmp(flag, "--estimator")) {
+      const char* v = VALUE();
+      if (v && !strcmp(v, "keys_lse"))
+        o->estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+      else if (v && !strcmp(v, "mean"))
+        o->estimator = SPARGE_ESTIMATOR_MEAN;
+      else
+        die(2, "--estimator: expected keys_lse or mean, got '%s'", v ? v : "");
     } else if (!strcmp(flag, "--precision")) {
       const char* v = VALUE();
       if (v && !strcmp(v, "int8_fp8"))
@@ -1061,6 +1075,7 @@ int main(int argc, char** argv) {
   c.params.smooth_k = o.smooth_k;
   c.params.attention_sink = o.sink;
   c.params.local_window = o.window;
+  c.params.estimator = (sparge_estimator_t)o.estimator;
 
   say("problem   : B=%lld Hq=%lld Hkv=%lld Lq=%lld Lkv=%lld D=%lld %s, layout %s, %s, scale %.6g\n",
          (long long)o.B, (long long)o.H, (long long)o.Hkv, (long long)o.L, (long long)o.Lkv, (long long)o.D,
@@ -1069,8 +1084,8 @@ int main(int argc, char** argv) {
     say("sparsity  : precision %s, select cdf %.3g", precision_name(resolved.precision), (double)o.cdf);
   else
     say("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
-  say(", sim_threshold %.3g, smooth_k %d, sink %d, window %d\n", (double)o.sim_threshold, o.smooth_k,
-      o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 0));
+  say(", sim_threshold %.3g, smooth_k %d, sink %d, window %d, estimator %s\n", (double)o.sim_threshold, o.smooth_k,
+      o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 0), estimator_name(o.estimator));
   say("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
   say("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));
@@ -1291,9 +1306,10 @@ int main(int argc, char** argv) {
              (long long)o.B, (long long)o.H, (long long)o.Hkv, (long long)o.L, (long long)o.Lkv, (long long)o.D,
              dtype_name(dt), o.nhd ? "nhd" : "hnd", o.causal ? "true" : "false", (double)resolved.scale);
       printf(" \"sparsity\": {\"precision\": \"%s\", \"select\": \"%s\", \"topk\": %.9g, \"cdf\": %.9g, "
-             "\"sim_threshold\": %.9g, \"smooth_k\": %s, \"sink\": %s},\n",
+             "\"sim_threshold\": %.9g, \"smooth_k\": %s, \"sink\": %s, \"estimator\": \"%s\"},\n",
              precision_name(resolved.precision), o.use_cdf ? "cdf" : "topk", (double)o.topk, (double)o.cdf,
-             (double)o.sim_threshold, o.smooth_k ? "true" : "false", o.sink ? "true" : "false");
+             (double)o.sim_threshold, o.smooth_k ? "true" : "false", o.sink ? "true" : "false",
+             estimator_name(o.estimator));
       printf(" \"inputs\": {\"data\": \"%s\", \"seed\": %llu}, \"workspace_bytes\": %zu,\n",
              o.data_random ? "random" : "clustered", (unsigned long long)o.seed, c.ws_bytes);
       printf(" \"blocks\": {\"block_q\": %d, \"block_k\": %d, \"q_blocks\": %lld, \"k_blocks\": %lld, "

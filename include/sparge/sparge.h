@@ -166,16 +166,17 @@ typedef struct sparge_predict_params {
   float pv_threshold;             /* PV skip; 0 (default) = off. Positive values
                                      are reserved: SPARGE_ERR_UNSUPPORTED today  */
   /* --- since 0.2 (read only when struct_size covers them; older callers get
-   *     the defaults of the mode) */
+   *     the defaults: the mode's local window, KEYS_LSE) */
   int32_t local_window;           /* w >= 1: keep the key blocks on the diagonal and
                                      w - 1 more on each side (counted in the budget);
                                      0: off; -1: the default of the mode           */
-  sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_MEAN (default), _KEYS_LSE    */
+  sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_KEYS_LSE (default; also for
+                                     callers of the 0.1 layout), _MEAN (SpargeAttn) */
 } sparge_predict_params_t;
 
 #define SPARGE_PREDICT_PARAMS_INIT                                                  \
   { sizeof(sparge_predict_params_t), SPARGE_SELECT_TOPK, 0.5f, 0.9f, -0.1f, 1, -1,   \
-    NULL, NULL, NULL, 0.0f, -1, SPARGE_ESTIMATOR_MEAN }
+    NULL, NULL, NULL, 0.0f, -1, SPARGE_ESTIMATOR_KEYS_LSE }
 
 /* ------------------------------------------------------------------ API */
 typedef struct sparge_plan* sparge_plan_t;

@@ -296,7 +296,7 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
                 "SPARGE_PREDICT_PARAMS_INIT)",
                 in.struct_size, sizeof(sparge_predict_params_t));
   const int32_t window = has_v2 ? in.local_window : -1;
-  const int32_t estimator = has_v2 ? raw_enum(in.estimator) : int32_t(SPARGE_ESTIMATOR_MEAN);
+  const int32_t estimator = has_v2 ? raw_enum(in.estimator) : int32_t(defaults.estimator);
   if (window < -1 || window > 1024)
     return fail(INV, "params->local_window is %d, expected -1 (default of the mode), 0 (off) or 1..1024",
                 int(window));

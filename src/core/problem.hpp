@@ -90,7 +90,7 @@ struct PredictConfig {
   bool smooth_k = true;
   bool attention_sink = false;  // resolved (the mode's default applied)
   int32_t local_window = 0;     // resolved, >= 0
-  sparge_estimator_t estimator = SPARGE_ESTIMATOR_MEAN;
+  sparge_estimator_t estimator = SPARGE_ESTIMATOR_KEYS_LSE;
   const float* topk_per_head = nullptr;
   const float* cdf_per_head = nullptr;
   const float* sim_per_head = nullptr;

@@ -63,8 +63,8 @@ int64_t visible(const Pred& p, int64_t qb) {
   return std::min(last_key, p.prob.len_kv - 1) / p.BK + 1;
 }
 
-// Test-side block probabilities (float64): softmax over visible blocks of the
-// pooled scores (K smoothed by its mean).
+// Test-side block probabilities (float64) of the estimator MEAN: softmax over visible blocks of
+// the pooled scores (K smoothed by its mean).
 std::vector<double> block_probs(const Pred& p, int64_t b, int64_t h, int64_t qb, bool smooth) {
   const int64_t D = p.prob.head_dim, hk = h / (p.prob.heads_q / p.prob.heads_kv);
   const double scale = 1.0 / std::sqrt(double(D));
@@ -162,6 +162,7 @@ TEST_CASE("top-k keeps max(1, floor(topk * visible)) blocks: the budget's forced
         Pred p = make_pred(2, 4, 2, 600, 640, 32, 64, 64, causal, rng);
         Plan plan(p.prob);
         sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+        params.estimator = SPARGE_ESTIMATOR_MEAN;  // the rule of block_probs
         params.topk = topk;
         params.attention_sink = sinkwin[0];
         params.local_window = sinkwin[1];
@@ -211,6 +212,7 @@ TEST_CASE("CDF mode keeps the smallest set holding the forced blocks and reachin
         Pred p = make_pred(1, 3, 3, 320, 320, 16, 32, 32, causal, rng);  // nKB = 10
         Plan plan(p.prob);
         sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+        params.estimator = SPARGE_ESTIMATOR_MEAN;  // the rule of block_probs
         params.mode = SPARGE_SELECT_CDF;
         params.cdf_threshold = thr;
         params.topk = 0.0f;  // not used in CDF mode
@@ -419,7 +421,7 @@ TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved",
   for (int64_t qb = 0; qb < 3; ++qb) n += int64_t(kept_blocks(p, 0, 0, qb).size());
   CHECK(n == 3 * topk_n(0.5f, 11));
   // A caller compiled against the 0.1 layout (struct_size without local_window and estimator):
-  // those fields are not read, the defaults of the mode apply.
+  // those fields are not read, the defaults apply (the mode's window, KEYS_LSE).
   const auto mask_default = p.mask.snapshot();
   sparge_predict_params_t old = SPARGE_PREDICT_PARAMS_INIT;
   old.struct_size = offsetof(sparge_predict_params_t, local_window);
@@ -434,6 +436,45 @@ TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved",
   CHECK(got.scale == Approx(0.125f));
   CHECK(got.len_kv == 700);
   CHECK(got.struct_size == sizeof(sparge_problem_t));
+}
+
+// The default estimator is KEYS_LSE: SPARGE_PREDICT_PARAMS_INIT, NULL params and a caller of the 0.1 layout
+// (no estimator field) all predict its mask. One query block (every row 4 e0, scale 1/2) against four key
+// blocks: block 1 holds one key 5 e0 and 63 keys -e0 (per-key log-sum-exp ~10, mean score -1.8), block 2
+// 64 keys e0 (log-sum-exp 6.2, mean score 2), blocks 0 and 3 zeros; the sink keeps block 0 and top-k 0.5
+// one more: block 1 for KEYS_LSE, block 2 for MEAN.
+TEST_CASE("the default estimator is KEYS_LSE (INIT, NULL params, the 0.1 layout)", "[cpu][predict][keys_lse]") {
+  const sparge_predict_params_t init = SPARGE_PREDICT_PARAMS_INIT;
+  CHECK(init.estimator == SPARGE_ESTIMATOR_KEYS_LSE);
+  const int64_t Lq = 128, Lkv = 256, D = 4;
+  sparge_problem_t prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_EXACT, false);
+  Plan plan(prob);
+  HostTensor q = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
+  HostTensor k = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
+  HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, 1, 4});
+  for (int64_t i = 0; i < Lq; ++i)
+    for (int64_t d = 0; d < D; ++d) q.set(0, 0, i, d, d == 0 ? 4.0f : 0.0f);
+  for (int64_t j = 0; j < Lkv; ++j) {
+    const float k0 = j == 64 ? 5.0f : j < 128 && j > 64 ? -1.0f : j >= 128 && j < 192 ? 1.0f : 0.0f;
+    for (int64_t d = 0; d < D; ++d) k.set(0, 0, j, d, d == 0 ? k0 : 0.0f);
+  }
+  auto predicted = [&](const sparge_predict_params_t* prm) {
+    REQUIRE(run_predict(plan, q, k, prm, mask, nullptr) == SPARGE_OK);
+    std::vector<int> m;
+    for (int64_t kb = 0; kb < 4; ++kb) m.push_back(mask.get(0, 0, 0, kb) != 0.0f ? 1 : 0);
+    return m;
+  };
+  sparge_predict_params_t lse = SPARGE_PREDICT_PARAMS_INIT, mean = SPARGE_PREDICT_PARAMS_INIT;
+  lse.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+  mean.estimator = SPARGE_ESTIMATOR_MEAN;
+  const std::vector<int> want_lse = {1, 1, 0, 0}, want_mean = {1, 0, 1, 0};
+  CHECK(predicted(&lse) == want_lse);
+  CHECK(predicted(&mean) == want_mean);
+  CHECK(predicted(&init) == want_lse);
+  CHECK(predicted(nullptr) == want_lse);
+  sparge_predict_params_t old = mean;  // a 0.1 caller: the estimator field is past its struct_size
+  old.struct_size = offsetof(sparge_predict_params_t, local_window);
+  CHECK(predicted(&old) == want_lse);
 }
 
 TEST_CASE("top-k with a decimal fraction keeps the expected count (0.7 of 10 blocks is 7)", "[cpu][predict]") {

@@ -17,6 +17,18 @@ def make_qkv(rng, B=2, Hq=4, Hkv=2, Lq=320, Lkv=320, D=64, dtype=np.float32, lay
     return q, k, v
 
 
+def spike_inputs(rng):
+    """q, k, v where the two estimators disagree: one key of block 5 that the pooled query of block 0 hits
+    hard, while the block's mean points away from that query (its mean score is the row's lowest): the mean
+    rule drops the block at top-k 0.25, the per-key rule keeps it."""
+    q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=512, Lkv=2048, D=32)
+    spike = q[0, 0, :128].mean(axis=0) * 200
+    delta = 20.0  # block mean = -delta * spike / 64
+    k[0, 0, 64 * 5:64 * 6] -= (1 + delta) * spike / 63
+    k[0, 0, 64 * 5 + 7] += (1 + delta) * spike / 63 + spike
+    return q, k, v
+
+
 # tolerance per precision (CPU backend vs float64 reference)
 TOL = {
     "exact": dict(atol=2e-5, rtol=1e-4),

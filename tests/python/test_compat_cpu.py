@@ -7,7 +7,7 @@ import pytest
 
 import ref
 import sparge
-from helpers import make_qkv
+from helpers import make_qkv, spike_inputs
 
 
 def test_shim_imports():
@@ -28,9 +28,10 @@ def test_topk_names(rng, layout, causal):
     for fn, prec in ((sparge.spas_sage2_attn_meansim_topk_cuda, "int8_fp8"),
                      (sparge.spas_sage_attn_meansim_topk_cuda, "int8_fp16")):
         out = fn(q, k, v, topk=0.4, is_causal=causal, tensor_layout=layout)
-        same = sparge.attention(q, k, v, topk=0.4, is_causal=causal, layout=layout, precision=prec)
+        same = sparge.attention(q, k, v, topk=0.4, is_causal=causal, layout=layout, precision=prec,
+                                estimator="mean")
         np.testing.assert_array_equal(out, same)
-        mask = sparge.predict_mask(q, k, topk=0.4, is_causal=causal, layout=layout)
+        mask = sparge.predict_mask(q, k, topk=0.4, is_causal=causal, layout=layout, estimator="mean")
         expect, _ = ref.attention(q, k, v, mask=mask, causal=causal, layout=layout)
         assert ref.cosine(out, expect) > 0.995
         assert out.dtype == np.float16
@@ -39,25 +40,38 @@ def test_topk_names(rng, layout, causal):
 def test_cdf_names_defaults(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
     out = sparge.spas_sage2_attn_meansim_cuda(q, k, v)
-    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.98, sim_threshold=0.6)
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.98, sim_threshold=0.6, estimator="mean")
     np.testing.assert_array_equal(out, same)
     out = sparge.spas_sage_attn_meansim_cuda(q, k, v, cdfthreshd=0.5, simthreshd1=0.1, is_causal=True)
     same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.5, sim_threshold=0.1, is_causal=True,
-                            precision="int8_fp16")
+                            precision="int8_fp16", estimator="mean")
     np.testing.assert_array_equal(out, same)
 
 
 def test_topk_none_means_cdf(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
     out = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, topk=None, cdfthreshd=0.7)
-    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.7)
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.7, estimator="mean")
     np.testing.assert_array_equal(out, same)
+
+
+def test_the_original_mean_rule(rng):
+    # the original library's block importance, not libsparge's default: inputs where the two rules keep
+    # different blocks
+    assert sparge.compat.ESTIMATOR == "mean"
+    q, k, v = (x.astype(np.float16) for x in spike_inputs(rng))
+    mean = sparge.predict_mask(q, k, topk=0.25, estimator="mean")
+    assert not np.array_equal(mean, sparge.predict_mask(q, k, topk=0.25))
+    for fn, prec in ((sparge.spas_sage2_attn_meansim_topk_cuda, "int8_fp8"),
+                     (sparge.spas_sage_attn_meansim_topk_cuda, "int8_fp16")):
+        out = fn(q, k, v, topk=0.25)
+        np.testing.assert_array_equal(out, sparge.attention(q, k, v, mask=mean, precision=prec))
 
 
 def test_return_sparsity_is_skipped_fraction(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=640, D=32, dtype=np.float16)
     out, sp = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, topk=0.3, is_causal=True, return_sparsity=True)
-    _, density = sparge.attention(q, k, v, topk=0.3, is_causal=True, return_sparsity=True)
+    _, density = sparge.attention(q, k, v, topk=0.3, is_causal=True, return_sparsity=True, estimator="mean")
     assert sp == pytest.approx(1.0 - density) and 0.0 < sp < 1.0
 
 

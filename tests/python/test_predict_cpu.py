@@ -7,7 +7,7 @@ import pytest
 
 import ref
 import sparge
-from helpers import make_qkv
+from helpers import make_qkv, spike_inputs
 
 
 def assert_masks_match(mask, expect, margin, tol=1e-5):
@@ -63,7 +63,7 @@ def test_matches_reference(rng, layout, opts):
         k = (k.reshape(1, 2, 10, 64, 32) + shift).reshape(k.shape)
     else:
         k = (k.reshape(1, 10, 64, 2, 32) + shift.transpose(0, 2, 1, 3, 4)).reshape(k.shape)
-    mask = sparge.predict_mask(q, k, layout=layout, **opts)
+    mask = sparge.predict_mask(q, k, layout=layout, estimator="mean", **opts)  # ref.predict is the mean rule
     o = dict(opts)
     expect, margin = ref.predict(
         q, k, topk=o.get("topk", 0.5), mode=o.get("mode", "topk"), cdf=o.get("cdf_threshold", 0.9),
@@ -106,13 +106,7 @@ def test_causal_defaults_no_zero_row(rng):
 
 
 def test_estimator_option(rng):
-    q, k, _ = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=512, Lkv=2048, D=32)
-    # one key of block 5 that the pooled query of block 0 hits hard, while the block's mean points away from
-    # that query (its mean score is the row's lowest): the mean rule drops the block, the per-key rule keeps it
-    spike = q[0, 0, :128].mean(axis=0) * 200
-    delta = 20.0  # block mean = -delta * spike / 64
-    k[0, 0, 64 * 5:64 * 6] -= (1 + delta) * spike / 63
-    k[0, 0, 64 * 5 + 7] += (1 + delta) * spike / 63 + spike
+    q, k, _ = spike_inputs(rng)
     a = sparge.predict_mask(q, k, topk=0.25, estimator="mean")
     b = sparge.predict_mask(q, k, topk=0.25, estimator="keys_lse")
     assert a.sum() == b.sum()
@@ -120,6 +114,24 @@ def test_estimator_option(rng):
     assert not np.array_equal(a, b)
     with pytest.raises(sparge.InvalidArgumentError, match="estimator"):
         sparge.predict_mask(q, k, estimator="max")
+
+
+def test_default_estimator_is_keys_lse(rng):
+    import inspect
+
+    from sparge import _plan, distributed
+
+    for fn in (sparge.attention, sparge.predict_mask, sparge.sdpa, _plan.Plan.run, _plan.Plan.predict,
+               distributed.ring_attention, distributed.ulysses_attention):
+        assert inspect.signature(fn).parameters["estimator"].default == "keys_lse", fn
+    q, k, v = spike_inputs(rng)
+    lse = sparge.predict_mask(q, k, topk=0.25, estimator="keys_lse")
+    np.testing.assert_array_equal(sparge.predict_mask(q, k, topk=0.25), lse)
+    with sparge.Plan(1, 2, 512, 32, heads_kv=1, len_kv=2048, dtype="float32", device="cpu") as plan:
+        np.testing.assert_array_equal(np.asarray(plan.predict(q, k, topk=0.25)), lse)
+    out = sparge.attention(q, k, v, topk=0.25, precision="exact")
+    np.testing.assert_array_equal(out, sparge.attention(q, k, v, mask=lse, precision="exact"))
+    assert not np.array_equal(out, sparge.attention(q, k, v, topk=0.25, precision="exact", estimator="mean"))
 
 
 def test_keys_lse_rounds_the_pooled_row_to_the_key_type():

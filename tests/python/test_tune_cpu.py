@@ -67,7 +67,8 @@ def test_a_tighter_target_costs_density(rng):
     ("sparge-tune 1\nlayer a heads 1 causal 1 mode cdf sink 1 window 1 estimator mean\ntopk 0.5\n", "mode cdf"),
     ("sparge-tune 1\ntopk 0.5\n", "outside a layer"),
     ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1 estimator max\n", "estimator must be"),
-    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1\n", "expected 'layer"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1 estimator\n", "expected 'layer"),
+    ("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 estimator mean\n", "expected 'layer"),
     ("sparge-tune 1\nlayer a heads 1 causal 3 mode topk sink 1 window 1 estimator mean\n", "causal and sink"),
 ])
 def test_malformed_files(tmp_path, text, needle):
@@ -75,6 +76,24 @@ def test_malformed_files(tmp_path, text, needle):
     p.write_text(text)
     with pytest.raises(T.TunedFileError, match="bad.txt:[0-9]+: .*" + needle.replace("(", r"\(").replace(")", r"\)")):
         sparge.load_tuned(str(p))
+
+
+def test_estimator_default_and_older_files(tmp_path):
+    # a layer made without an estimator takes the library's default; the file always names it
+    layer = T.TunedLayer("a", 1, True, "topk", True, 1, [0.5], [-0.1])
+    assert layer.estimator == "keys_lse" and layer.kwargs()["estimator"] == "keys_lse"
+    path = str(tmp_path / "new.txt")
+    T.write_tuned(path, [layer])
+    assert " estimator keys_lse\n" in open(path).read()
+    assert sparge.load_tuned(path)["a"].estimator == "keys_lse"
+    # a layer line without the estimator pair, as written before sparge tune chose the estimator (when the
+    # library's default was the mean rule), still means mean
+    old = tmp_path / "old.txt"
+    old.write_text("sparge-tune 1\nlayer a heads 1 causal 1 mode topk sink 1 window 1\ntopk 0.5\n"
+                   "sim_threshold -0.1\nmeasured rel_l1 0.05 density 0.5 target 0.06\nend\n")
+    got = sparge.load_tuned(str(old))["a"]
+    assert got.estimator == "mean" and got.kwargs()["estimator"] == "mean"
+    assert got.sink and got.window == 1 and got.values == [0.5]
 
 
 def test_capture_helper_roundtrip(rng, tmp_path):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Plot and tables of docs/ACCURACY.md ("Predicted masks") from the JSON of tools/accuracy/sweep.py:
 relative L1 against dense attention versus block density, per model and layer depth — the oracle
-curve, the mean-similarity rule with the defaults of the mode, the same rule without sink or window
-(the 0.1 defaults), and the other estimators.
+curve, the mean rule with the default sink and window, the same rule without sink or window
+(the 0.1 defaults), keys_lse (the default estimator) and the other estimators.
 
     python3 tools/accuracy/plot.py sweep.json --png docs/accuracy-masks.png --markdown tables.md
 """
@@ -62,8 +62,8 @@ def _find(cap, est, topk, sink, window, topp=None):
 
 def tables(data):
     """Two markdown tables: the defaults against the oracle, and the estimators."""
-    out = ["| capture | top-k | 0.1 defaults: density / rel. L1 / ×oracle | defaults: density / rel. L1 / "
-           "oracle / ×oracle | keys_lse: rel. L1 / ×oracle | zero rows |",
+    out = ["| capture | top-k | mean, no sink, no window: density / rel. L1 / ×oracle | mean, default sink and "
+           "window: density / rel. L1 / oracle / ×oracle | keys_lse (the default): rel. L1 / ×oracle | zero rows |",
            "|---|---:|---|---|---|---:|"]
     for cap in data:
         s, w = (True, 2) if cap["causal"] else (True, 0)

@@ -120,7 +120,7 @@ class _Resolved:
 def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: str, mode: str,
              cdf_threshold: Optional[PerHead], sim_threshold: PerHead, smooth_k: bool,
              attention_sink: Optional[bool], local_window: Optional[int], precision: str,
-             block_size: Any, estimator: str = "mean") -> _Resolved:
+             block_size: Any, estimator: str = "keys_lse") -> _Resolved:
     lay = core.parse_layout(layout)
     md = core.parse_mode(mode)
     prec = core.parse_precision(precision)
@@ -168,6 +168,44 @@ def _resolve_cached(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: An
         r.shared = r.topk_h is None and r.cdf_h is None and r.sim_h is None
         _RESOLVED[key] = r
     return r
+
+
+# The resolved options of the latest option sets, by identity: (topk, is_causal, scale, layout, mode,
+# cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window, estimator, precision,
+# block_size, resolved) tuples, the newest first, at most _MEMO_SIZE of them, each made from a
+# shared _Resolved (all values plain immutable scalars, block_size a tuple of them). A memo holds its
+# values, so a call that passes the very same objects passes the same values of the same types and
+# gets the same resolved options, without building and hashing _RESOLVED's key (the objects of the
+# defaults and of literals are the same on every call).
+_MEMO: tuple = ()
+_MEMO_SIZE = 4
+
+
+def _remember_resolved(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
+                       sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any, estimator: Any,
+                       precision: Any, block_size: Any) -> _Resolved:
+    """_resolve_cached, and the result memoized by identity when it is shared."""
+    global _MEMO
+    r = _resolve_cached(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
+                        attention_sink, local_window, estimator, precision, block_size)
+    if r.shared:
+        _MEMO = ((topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
+                  local_window, estimator, precision, block_size, r),) + _MEMO[:_MEMO_SIZE - 1]
+    return r
+
+
+def _resolve_memo(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
+                  sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any, estimator: Any,
+                  precision: Any, block_size: Any) -> _Resolved:
+    """_resolve_cached through the identity memo (attention() has the same loop inline)."""
+    for m in _MEMO:
+        if (topk is m[0] and is_causal is m[1] and scale is m[2] and layout is m[3] and mode is m[4]
+                and cdf_threshold is m[5] and sim_threshold is m[6] and smooth_k is m[7]
+                and attention_sink is m[8] and local_window is m[9] and estimator is m[10]
+                and precision is m[11] and block_size is m[12]):
+            return m[13]
+    return _remember_resolved(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
+                              attention_sink, local_window, estimator, precision, block_size)
 
 
 def _split_torch_heads(r: _Resolved) -> Tuple[Any, ...]:
@@ -250,7 +288,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
               scale: Optional[float] = None, layout: str = "HND", mask: Optional[ArrayLike] = None,
               mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
               smooth_k: bool = True, attention_sink: Optional[bool] = None,
-              local_window: Optional[int] = None, estimator: str = "mean", precision: str = "int8_fp8",
+              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "int8_fp8",
               block_size: Tuple[int, int] = (128, 64), return_sparsity: bool = False,
               return_lse: bool = False, stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Block-sparse attention with a predicted (or given) block mask.
@@ -280,8 +318,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         local_window: w >= 1 keeps the key blocks on the diagonal and w - 1 more on each side, counted
             in the budget; 0: off; None: the default of the mode (2 when causal, 0 otherwise). With
             ``is_causal`` the first diagonal block is always kept, so no query row is left without a key.
-        estimator: block importance: "mean" (mean-pooled Q and K, the original rule) or "keys_lse"
-            (mean-pooled Q against every key, log-sum-exp per key block; docs/ACCURACY.md).
+        estimator: block importance: "keys_lse" (default: mean-pooled Q against every key, log-sum-exp
+            per key block; closest to the oracle mask, docs/ACCURACY.md) or "mean" (mean-pooled Q and K,
+            the original SpargeAttn rule).
         precision: ``"int8_fp8"`` (fast GPU default; on CPU the exact quantization twin, slow),
             ``"int8_fp8_split_v"`` (int8_fp8 with V carried as two e4m3 terms, hi + lo: V's
             rounding error nearly vanishes, output relative L1 ~0.028 instead of ~0.038 on random
@@ -307,9 +346,23 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
     Raises:
         InvalidArgumentError, UnsupportedError, NoDeviceError, CudaError, ... (SpargeError).
     """
-    r = _resolve_cached(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
-                        attention_sink, local_window, estimator, precision, block_size)
-    return _attention(q, k, v, r, mask, out, return_sparsity, return_lse, stream)
+    for m in _MEMO:  # _resolve_memo, inline
+        if (topk is m[0] and is_causal is m[1] and scale is m[2] and layout is m[3] and mode is m[4]
+                and cdf_threshold is m[5] and sim_threshold is m[6] and smooth_k is m[7]
+                and attention_sink is m[8] and local_window is m[9] and estimator is m[10]
+                and precision is m[11] and block_size is m[12]):
+            r = m[13]
+            break
+    else:
+        r = _remember_resolved(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
+                               attention_sink, local_window, estimator, precision, block_size)
+    fast = _FAST
+    if fast is not None and not return_sparsity and EAGER_DIRECT:
+        # Eager torch call whose arguments were seen before: one cache hit (_torch_ops.fast_attention).
+        res = fast(q, k, v, r, mask, out, return_lse)
+        if res is not None:
+            return res
+    return _attention_general(q, k, v, r, mask, out, return_sparsity, return_lse, stream, None, None)
 
 
 def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any, out: Any,
@@ -322,6 +375,13 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
         res = fast(q, k, v, r, mask, out, return_lse)
         if res is not None:
             return res
+    return _attention_general(q, k, v, r, mask, out, return_sparsity, return_lse, stream, plan, workspace)
+
+
+def _attention_general(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any, out: Any,
+                       return_sparsity: bool, return_lse: bool, stream: Optional[int],
+                       plan: Optional[core.Plan], workspace: Any) -> Any:
+    """_attention without the prepared-call cache: every check and descriptor per call."""
     mask = _normalize_mask(mask)
     if _is_torch(q):
         extra = (("mask", mask),) if mask is not None else ()
@@ -387,7 +447,7 @@ def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: 
                  scale: Optional[float] = None, layout: str = "HND", mode: str = "topk",
                  cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
                  smooth_k: bool = True, attention_sink: Optional[bool] = None,
-              local_window: Optional[int] = None, estimator: str = "mean", precision: str = "int8_fp8",
+              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "int8_fp8",
                  block_size: Tuple[int, int] = (128, 64), return_kept: bool = False,
                  stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Predicts the block mask that :func:`attention` would use.

@@ -243,7 +243,7 @@ class SpargePredictParams(ctypes.Structure):
             mode=SELECT_TOPK, topk=0.5, cdf_threshold=0.9, sim_threshold=-0.1,
             smooth_k=1, attention_sink=-1, topk_per_head=None,
             cdf_threshold_per_head=None, sim_threshold_per_head=None, pv_threshold=0.0,
-            local_window=-1, estimator=0,
+            local_window=-1, estimator=1,
         )
         defaults.update(kw)
         super().__init__(struct_size=ctypes.sizeof(SpargePredictParams), **defaults)
@@ -431,7 +431,7 @@ class _Lib:
         self.__dict__[name] = fn  # later look-ups are plain attribute hits (no __getattr__)
         return fn
 
-    def raw(self, name: str, argtypes: list, restype: object = ctypes.c_int) -> object:
+    def raw(self, name: str, argtypes: Optional[list], restype: object = ctypes.c_int) -> object:
         """A separate function object of ``name`` with its own ``argtypes`` (the calls of the hot
         path pass descriptor addresses as integers); the one that ``lib.name`` gives keeps the
         header's prototype."""

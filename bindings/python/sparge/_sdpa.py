@@ -7,7 +7,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _capi as C
-from ._api import PerHead, _attention, _is_torch, _resolve_cached
+from . import _api
+from ._api import PerHead, _attention, _attention_general, _is_torch, _resolve_memo
 
 
 def _unsqueeze_heads(x: Any) -> Any:
@@ -26,7 +27,7 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
          is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
          topk: PerHead = 0.5, mode: str = "topk", cdf_threshold: Optional[PerHead] = None,
          sim_threshold: PerHead = -0.1, smooth_k: bool = True, attention_sink: Optional[bool] = None,
-         local_window: Optional[int] = None, estimator: str = "mean",
+         local_window: Optional[int] = None, estimator: str = "keys_lse",
          precision: str = "int8_fp8", block_size: Tuple[int, int] = (128, 64), out: Optional[Any] = None,
          stream: Optional[int] = None) -> Any:
     """Block-sparse attention with the signature and semantics of
@@ -88,13 +89,18 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     causal = bool(is_causal)
 
     if not causal or L == S or S == 0:
-        r = _resolve_cached(topk, causal and S > 0, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
-                            attention_sink, local_window, estimator, precision, block_size)
-        res = _attention(q4, k4, v4, r, None, o4, False, False, stream)
+        r = _resolve_memo(topk, causal and S > 0, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
+                          attention_sink, local_window, estimator, precision, block_size)
+        fast = _api._FAST
+        res = None
+        if fast is not None and _api.EAGER_DIRECT:  # _attention's cached call, without its frame
+            res = fast(q4, k4, v4, r, None, o4, False)
+        if res is None:
+            res = _attention_general(q4, k4, v4, r, None, o4, False, False, stream, None, None)
     else:
         def resolved(c: bool) -> Any:
-            return _resolve_cached(topk, c, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
-                                   attention_sink, local_window, estimator, precision, block_size)
+            return _resolve_memo(topk, c, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
+                                 attention_sink, local_window, estimator, precision, block_size)
 
         if L < S:
             # Top-left rule: query i sees keys 0..i <= L-1; keys L.. are never seen.

@@ -20,6 +20,8 @@ deliberate:
   *skipped* (``1 - kept/visible``), as the original did (with the exact visible
   count instead of the original's causal approximation).
 * Causality is exact at token level and bottom-right aligned.
+* Block importance is the original's mean rule (``estimator="mean"``), not
+  libsparge's default ``"keys_lse"``.
 * ``attn_mask`` (a dense mask) and ``dropout_p > 0`` are not supported
   (:class:`sparge.UnsupportedError`); head dims and sequence lengths are not
   restricted to the original's 64/128 and >= 128.
@@ -56,6 +58,8 @@ class _AsComputed:
 AS_COMPUTED: Any = _AsComputed()
 
 _PV_DEFAULT = 50
+#: block-importance estimator of the predicting functions: the original's rule (mean-pooled Q and K)
+ESTIMATOR = "mean"
 _pv_warned = False
 
 
@@ -136,8 +140,8 @@ def _predicted(q: Any, k: Any, v: Any, *, attn_mask: Any, dropout_p: float, is_c
         mode, cdf = "cdf", (cdfthreshd if cdfthreshd is not None else 0.98)
     res = attention(q, k, v, topk=topk if topk is not None else 0.5, is_causal=is_causal, scale=scale,
                     layout=tensor_layout, mode=mode, cdf_threshold=cdf, sim_threshold=simthreshd1,
-                    smooth_k=smooth_k, attention_sink=True if attention_sink else None, precision=precision,
-                    return_sparsity=return_sparsity, return_lse=return_lse and not return_sparsity)
+                    smooth_k=smooth_k, attention_sink=True if attention_sink else None, estimator=ESTIMATOR,
+                    precision=precision, return_sparsity=return_sparsity, return_lse=return_lse and not return_sparsity)
     return _finish(res, output_dtype, return_sparsity, return_lse)
 
 

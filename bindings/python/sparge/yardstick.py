@@ -303,6 +303,119 @@ def est_antidiagonal(cap: Capture, h: int, stride: int = 8) -> np.ndarray:
     return np.log(np.maximum(mass, 1e-300))
 
 
+def _lse(x: np.ndarray, axis: int) -> np.ndarray:
+    """log-sum-exp along axis; -inf where every entry is -inf."""
+    m = x.max(axis=axis, keepdims=True)
+    mf = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.squeeze(mf + np.log(np.exp(x - mf).sum(axis=axis, keepdims=True)), axis=axis)
+
+
+def _group_block_scores(cap: Capture, h: int, rows: np.ndarray, weight: np.ndarray, last: np.ndarray,
+                        combine: str) -> np.ndarray:
+    """Block scores from G pooled query rows per query block (the keys_lse rule applied to each).
+
+    rows [nQB, G, D]: pooled query rows; weight [nQB, G]: their share of the block (0: unused);
+    last [nQB, G]: the query row whose visible keys each pooled row is scored against (causal).
+    Per pooled row g, B_g[kb] = log sum_{j in kb} exp(scale * rows_g . k_j); the rows are combined by
+    "lse": log sum_g w_g exp(B_g) (the unnormalized scores), or "mass": log sum_g w_g exp(B_g - lse_kb B_g)
+    (the mean of each row's normalized block distribution)."""
+    k = cap.k[h // cap.group].astype(np.float64)
+    Lq, Lkv = cap.q.shape[1], k.shape[0]
+    nqb, G, D = rows.shape
+    s = cap.sc * rows.reshape(nqb * G, D) @ k.T
+    ok = np.repeat((weight > 0).reshape(-1, 1), Lkv, axis=1)
+    if cap.causal:
+        ok &= np.arange(Lkv)[None, :] <= last.reshape(-1, 1) + (Lkv - Lq)
+    b = _blockwise(np.where(ok, s, -np.inf), Lkv, "lse").reshape(nqb, G, -1)
+    if combine == "mass":
+        tot = _lse(b, axis=2)[..., None]
+        b = np.where(np.isfinite(tot), b - np.where(np.isfinite(tot), tot, 0.0), -np.inf)
+    elif combine != "lse":
+        raise ValueError("combine must be lse or mass, got %r" % combine)
+    with np.errstate(divide="ignore"):
+        lw = np.log(weight / np.maximum(weight.sum(axis=1, keepdims=True), 1e-300))
+    return _lse(b + lw[..., None], axis=1)
+
+
+def est_keys_lse_sub(cap: Capture, h: int, sub: int = 2, combine: str = "lse") -> np.ndarray:
+    """keys_lse with each query block pooled into `sub` consecutive sub-blocks (BQ / sub rows each)
+    instead of one, combined by `combine` (see _group_block_scores). A sub-block is scored against
+    the keys its last row sees (causal). `sub` times the multiply-adds of keys_lse."""
+    q = cap.q[h].astype(np.float64)
+    Lq, D = q.shape
+    nqb, bs = -(-Lq // BQ), BQ // sub
+    n = nqb * sub
+    cnt = np.clip(Lq - np.arange(n) * bs, 0, bs)
+    qp = np.concatenate([q, np.zeros((n * bs - Lq, D))])
+    rows = qp.reshape(n, bs, D).sum(axis=1) / np.maximum(cnt, 1)[:, None]
+    last = np.arange(n) * bs + np.maximum(cnt, 1) - 1
+    return _group_block_scores(cap, h, rows.reshape(nqb, sub, D), cnt.reshape(nqb, sub).astype(np.float64),
+                               last.reshape(nqb, sub), combine)
+
+
+def est_keys_lse_var(cap: Capture, h: int, c2: float = 0.5) -> np.ndarray:
+    """keys_lse with a second-order (Gaussian) correction: per key
+    scale * mean(q) . k_j + c2 * scale^2 * sum_c var_c(q) k_jc^2 (c2 = 1/2: the log of the mean of
+    exp(scale q_i . k_j) over the block's rows when they are Gaussian with diagonal covariance), then
+    log-sum-exp per key block over the keys the block's last row sees. One more D-length product per
+    key and query block (var(q) against the squared keys): twice the multiply-adds of keys_lse."""
+    q = cap.q[h].astype(np.float64)
+    k = cap.k[h // cap.group].astype(np.float64)
+    mu = _pool(q, BQ)
+    var = np.maximum(_pool(q * q, BQ) - mu * mu, 0.0)
+    s = cap.sc * mu @ k.T + c2 * cap.sc * cap.sc * var @ (k * k).T
+    vis = _key_causal(q.shape[0], k.shape[0], cap.causal)
+    if vis is not None:
+        s = np.where(vis, s, -np.inf)
+    return _blockwise(s, k.shape[0], "lse")
+
+
+def est_keys_lse_maxnorm(cap: Capture, h: int, combine: str = "mass") -> np.ndarray:
+    """keys_lse with a second pooled row per query block: the block's row of largest norm (the most
+    peaked attention of the block), the two combined with equal weights by `combine`
+    (see _group_block_scores); the max-norm row sees the keys of the block's last row (causal).
+    Twice the multiply-adds of keys_lse."""
+    q = cap.q[h].astype(np.float64)
+    Lq, D = q.shape
+    nqb = -(-Lq // BQ)
+    mu = _pool(q, BQ)
+    qp = np.concatenate([q, np.zeros((nqb * BQ - Lq, D))]).reshape(nqb, BQ, D)
+    top = qp[np.arange(nqb), np.argmax((qp * qp).sum(axis=2), axis=1)]
+    last = np.minimum(np.arange(nqb) * BQ + BQ - 1, Lq - 1)
+    return _group_block_scores(cap, h, np.stack([mu, top], axis=1), np.ones((nqb, 2)),
+                               np.stack([last, last], axis=1), combine)
+
+
+def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int = 0) -> np.ndarray:
+    """keys_lse with each query block split into two groups of similar rows instead of two halves:
+    seeds a (the row farthest from the block mean) and b (the row farthest from a), each row to the
+    nearer seed (a hyperplane split: the sign of (x - (a + b)/2) . (b - a)), then `iters` Lloyd steps
+    (two-means; 0 to 4 steps measure alike on the captures); each group pooled into one row, the two
+    combined by `combine` with the groups' sizes as weights (see _group_block_scores); both see the
+    keys of the block's last row (causal). Twice the multiply-adds of keys_lse in the scores, plus
+    about (5 + 3 * iters) * BQ * D per block for the grouping."""
+    q = cap.q[h].astype(np.float64)
+    Lq, D = q.shape
+    nqb = -(-Lq // BQ)
+    rows = np.zeros((nqb, 2, D))
+    weight = np.zeros((nqb, 2))
+    for qb in range(nqb):
+        x = q[qb * BQ:min(Lq, qb * BQ + BQ)]
+        a = x[np.argmax(((x - x.mean(axis=0)) ** 2).sum(axis=1))]
+        c = np.stack([a, x[np.argmax(((x - a) ** 2).sum(axis=1))]])
+        for _ in range(iters):
+            lab = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1)
+            c = np.stack([x[lab == g].mean(axis=0) if (lab == g).any() else c[g] for g in range(2)])
+        lab = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1)
+        for g in range(2):
+            weight[qb, g] = float((lab == g).sum())
+            if weight[qb, g]:
+                rows[qb, g] = x[lab == g].mean(axis=0)
+    last = np.minimum(np.arange(nqb) * BQ + BQ - 1, Lq - 1)
+    return _group_block_scores(cap, h, rows, weight, np.stack([last, last], axis=1), combine)
+
+
 ESTIMATORS = {
     "mean": est_mean,
     "pooledq_lse": lambda c, h: est_pooled_q_keys(c, h, "lse"),
@@ -310,6 +423,15 @@ ESTIMATORS = {
     "pooledq_max": lambda c, h: est_pooled_q_keys(c, h, "max"),
     "rows4": lambda c, h: est_sampled_rows(c, h, 4),
     "antidiag8": lambda c, h: est_antidiagonal(c, h, 8),
+    "keys_lse_sub2": lambda c, h: est_keys_lse_sub(c, h, 2, "lse"),
+    "keys_lse_sub2_mass": lambda c, h: est_keys_lse_sub(c, h, 2, "mass"),
+    "keys_lse_sub4": lambda c, h: est_keys_lse_sub(c, h, 4, "lse"),
+    "keys_lse_sub4_mass": lambda c, h: est_keys_lse_sub(c, h, 4, "mass"),
+    "keys_lse_var": lambda c, h: est_keys_lse_var(c, h),
+    "keys_lse_maxnorm": lambda c, h: est_keys_lse_maxnorm(c, h, "lse"),
+    "keys_lse_maxnorm_mass": lambda c, h: est_keys_lse_maxnorm(c, h, "mass"),
+    "keys_lse_split2": lambda c, h: est_keys_lse_split2(c, h, "lse"),
+    "keys_lse_split2_mass": lambda c, h: est_keys_lse_split2(c, h, "mass"),
 }
 
 

@@ -180,7 +180,7 @@ impl Default for sparge_predict_params_t {
             sim_threshold_per_head: core::ptr::null(),
             pv_threshold: 0.0,
             local_window: -1,
-            estimator: SPARGE_ESTIMATOR_MEAN,
+            estimator: SPARGE_ESTIMATOR_KEYS_LSE,
         }
     }
 }

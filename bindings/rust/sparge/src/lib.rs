@@ -245,9 +245,9 @@ impl Precision {
 /// Block-importance estimator (`sparge_estimator_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Estimator {
-    /// Mean-pooled Q and K (the original rule).
+    /// Mean-pooled Q and K (the original SpargeAttn rule).
     Mean,
-    /// Mean-pooled Q against every key, log-sum-exp per key block.
+    /// Mean-pooled Q against every key, log-sum-exp per key block (the default).
     KeysLse,
 }
 
@@ -397,7 +397,7 @@ pub struct PredictParams {
     /// Keep the diagonal key blocks and `w - 1` more on each side, counted in the budget;
     /// Some(0) = off; None = the default of the mode (2 when causal, 0 otherwise).
     pub local_window: Option<i32>,
-    /// Block-importance estimator.
+    /// Block-importance estimator; the default is `KeysLse`.
     pub estimator: Estimator,
     /// Per-query-head overrides (length Hq). Host memory: CPU plans only here;
     /// for device arrays build a raw struct and use the `_raw` calls.
@@ -419,7 +419,7 @@ impl Default for PredictParams {
             smooth_k: d.smooth_k != 0,
             attention_sink: None,
             local_window: None,
-            estimator: Estimator::Mean,
+            estimator: Estimator::KeysLse,
             topk_per_head: None,
             cdf_threshold_per_head: None,
             sim_threshold_per_head: None,

@@ -102,17 +102,23 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, TunedLayer>, TunedError> {
                 if cur.is_some() {
                     return err(i, "'layer' before the previous layer's 'end'");
                 }
+                // A layer line without the estimator pair (written before `sparge tune` chose the
+                // estimator) means the default of then: mean.
+                let mut w = w.clone();
+                if w.len() == 12 {
+                    w.extend(["estimator", "mean"]);
+                }
                 let keys: Vec<&str> = w.iter().skip(2).step_by(2).copied().collect();
                 if w.len() != 14 || keys != ["heads", "causal", "mode", "sink", "window", "estimator"] {
                     return err(
                         i,
-                        "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W estimator mean|keys_lse'",
+                        "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W estimator keys_lse|mean'",
                     );
                 }
                 let estimator = match w[13] {
-                    "mean" => Estimator::Mean,
                     "keys_lse" => Estimator::KeysLse,
-                    e => return err(i, format!("estimator must be mean or keys_lse, got '{e}'")),
+                    "mean" => Estimator::Mean,
+                    e => return err(i, format!("estimator must be keys_lse or mean, got '{e}'")),
                 };
                 let int = |s: &str| s.parse::<i64>().ok();
                 let (heads, causal, sink, window) = match (int(w[3]), int(w[5]), int(w[9]), int(w[11])) {
@@ -228,6 +234,13 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_line_without_estimator_means_mean() {
+        let m = parse(&GOOD.replace(" estimator keys_lse", "")).unwrap();
+        assert_eq!(m["L0"].estimator, Estimator::Mean);
+        assert_eq!(m["L0"].predict_params().to_raw().estimator, crate::sys::SPARGE_ESTIMATOR_MEAN);
+    }
+
+    #[test]
     fn rejects_malformed_files() {
         for (bad, needle) in [
             ("sparge-tune 2\n", "header"),
@@ -237,6 +250,7 @@ mod tests {
             (GOOD.replace("end\n", "").as_str(), "no 'end'"),
             (GOOD.replace("cdf_threshold", "topk").as_str(), "mode cdf"),
             (GOOD.replace("keys_lse", "max").as_str(), "estimator must be"),
+            (GOOD.replace(" estimator keys_lse", " estimator").as_str(), "expected 'layer"),
         ] {
             let e = parse(bad).unwrap_err();
             assert!(e.message.contains(needle), "{bad:?}: {e}");

@@ -1,5 +1,5 @@
 // CPU-backend tests of the safe API against a naive float64 reference.
-use sparge::{DType, Device, Plan, PredictParams, Precision, Problem, SelectMode, Status};
+use sparge::{DType, Device, Estimator, Plan, PredictParams, Precision, Problem, SelectMode, Status};
 
 struct Rng(u64);
 impl Rng {
@@ -156,6 +156,38 @@ fn predicted_mask_is_used_and_counted() {
     plan.attention(&q, &k, &v, None, Some(&params), &mut out, None).unwrap();
     let (ref_out, _) = reference(plan.problem(), &q, &k, &v, Some(&mask));
     assert!(max_abs_diff(&out, &ref_out) < 1e-5);
+}
+
+#[test]
+fn the_default_estimator_is_keys_lse() {
+    let d = PredictParams::default();
+    assert_eq!(d.estimator, Estimator::KeysLse);
+    assert_eq!(d.to_raw().estimator, sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE);
+    assert_eq!(sparge::sys::sparge_predict_params_t::default().estimator, sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE);
+    // One query block (every row 4 e0, scale 1/2) against four key blocks: block 1 holds one key 5 e0 and
+    // 63 keys -e0 (per-key log-sum-exp ~10, mean score -1.8), block 2 64 keys e0 (log-sum-exp 6.2, mean
+    // score 2), blocks 0 and 3 zeros. The sink keeps block 0, top-k 0.5 one more: block 1 for KeysLse,
+    // block 2 for Mean. No parameters and the default ones predict the KeysLse mask.
+    let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
+    let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == 0 { 4.0 } else { 0.0 }).collect();
+    let k: Vec<f32> = (0..256 * 4)
+        .map(|i| match (i / 4, i % 4) {
+            (64, 0) => 5.0,
+            (65..=127, 0) => -1.0,
+            (128..=191, 0) => 1.0,
+            _ => 0.0,
+        })
+        .collect();
+    let predict = |p: Option<&PredictParams>| {
+        let mut m = vec![0u8; 4];
+        plan.predict_mask(&q, &k, p, &mut m, None).unwrap();
+        m
+    };
+    let lse = predict(Some(&PredictParams { estimator: Estimator::KeysLse, ..Default::default() }));
+    assert_eq!(lse, vec![1, 1, 0, 0]);
+    assert_eq!(predict(Some(&PredictParams { estimator: Estimator::Mean, ..Default::default() })), vec![1, 0, 1, 0]);
+    assert_eq!(predict(Some(&PredictParams::default())), lse);
+    assert_eq!(predict(None), lse);
 }
 
 #[test]
