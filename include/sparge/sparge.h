@@ -171,7 +171,9 @@ typedef struct sparge_predict_params {
                                      w - 1 more on each side (counted in the budget);
                                      0: off; -1: the default of the mode           */
   sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_KEYS_LSE (default; also for
-                                     callers of the 0.1 layout), _MEAN (SpargeAttn) */
+                                     callers of the 0.1 layout), _MEAN (SpargeAttn;
+                                     also what a zero-filled struct holds: start
+                                     from SPARGE_PREDICT_PARAMS_INIT)              */
 } sparge_predict_params_t;
 
 #define SPARGE_PREDICT_PARAMS_INIT                                                  \

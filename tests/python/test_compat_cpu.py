@@ -123,3 +123,18 @@ def test_positional_like_sdpa(rng):
     a = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, None, 0.0, True, 0.1)
     b = sparge.attention(q, k, v, is_causal=True, scale=0.1)
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cdf", [0.3, 0.5, 0.7])
+def test_the_original_mean_rule_cdf(rng, cdf):
+    # the CDF-mode names and the autotune module's predicted path use the mean rule too: inputs where
+    # the two rules keep different blocks at this threshold
+    q, k, v = (x.astype(np.float16) for x in spike_inputs(rng))
+    kw = dict(mode="cdf", cdf_threshold=cdf, sim_threshold=-0.1)
+    mean = sparge.predict_mask(q, k, estimator="mean", **kw)
+    if np.array_equal(mean, sparge.predict_mask(q, k, **kw)):
+        pytest.skip("the estimators agree at cdf %g on these inputs" % cdf)
+    for fn, prec in ((sparge.spas_sage2_attn_meansim_cuda, "int8_fp8"),
+                     (sparge.spas_sage_attn_meansim_cuda, "int8_fp16")):
+        out = fn(q, k, v, simthreshd1=-0.1, cdfthreshd=cdf)
+        np.testing.assert_array_equal(out, sparge.attention(q, k, v, mask=mean, precision=prec))

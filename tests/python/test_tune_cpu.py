@@ -128,3 +128,27 @@ def test_command_line(tmp_path):
     layers = sparge.load_tuned(str(out))
     (layer,) = layers.values()
     assert layer.heads == 9 and layer.causal and layer.measured <= 0.15
+
+
+def test_ties_go_to_keys_lse_across_settings(rng, monkeypatch):
+    """Equal density for a mean candidate visited early (no sink, no window) and a keys_lse one with
+    another sink: the tuner keeps keys_lse (the default), whatever the order of the settings."""
+    cap = _small_capture(rng, False)
+
+    class Fake:
+        def __init__(self, density):
+            self.rel_l1, self.cosine, self.density = 0.0, 1.0, density
+
+    def fake_mask(cap_, st, sim):
+        return [(st.sink, st.window, st.estimator)] * cap_.Hq
+
+    def fake_score(hp, m, vis):
+        cheap = m in [(False, 0, "mean"), (True, 0, "keys_lse")]
+        return Fake(0.3 if cheap else 0.9)
+
+    monkeypatch.setattr(T, "_library_mask", fake_mask)
+    monkeypatch.setattr(Y, "score_mask", fake_score)
+    monkeypatch.setattr(T, "_evaluate_layer", lambda cap_, layer: Fake(0.3))
+    layer = T.tune_layer("tie", [cap], "rel_l1", 0.1)
+    assert layer.estimator == "keys_lse"
+    assert (layer.sink, layer.window) == (True, 0)

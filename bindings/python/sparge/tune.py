@@ -230,7 +230,9 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
             if progress:
                 progress(name, done, steps)
     best: Optional[tuple] = None
-    for (s, w), mode, est in ((x, m, e) for x in sw for m in ("topk", "cdf") for e in ests):
+    # estimator outermost: every keys_lse group is visited before any mean group, so that a tie (equal
+    # density, the first minimum wins) goes to the default whatever the sink, window and mode
+    for est, (s, w), mode in ((e, x, m) for e in ests for x in sw for m in ("topk", "cdf")):
         group = [c for c in cands if c.sink == s and c.window == w and c.mode == mode and c.estimator == est]
         vals, sims, dens = [], [], []
         for h in range(Hq):
