@@ -370,7 +370,10 @@ static void parse_args(int argc, char** argv, options_t* o) {
   o->smooth_k = 1;
   o->sink = -1;
   o->window = -1;
-  o->estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+  {
+    const sparge_predict_params_t def = SPARGE_PREDICT_PARAMS_INIT;
+    o->estimator = def.estimator; /* the library's default */
+  }
   o->iters = o->warmup = -1;
   o->rows = 128;
   o->min_cos = -1.0;
@@ -469,7 +472,10 @@ static void parse_args(int argc, char** argv, options_t* o) {
     } else if (!strcmp(flag, "--estimator")) {
       const char* v = VALUE();
       if (v && !strcmp(v, "keys_lse"))
-        o->estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+        {
+    const sparge_predict_params_t def = SPARGE_PREDICT_PARAMS_INIT;
+    o->estimator = def.estimator; /* the library's default */
+  }
       else if (v && !strcmp(v, "mean"))
         o->estimator = SPARGE_ESTIMATOR_MEAN;
       else

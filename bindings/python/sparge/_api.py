@@ -181,31 +181,23 @@ _MEMO: tuple = ()
 _MEMO_SIZE = 4
 
 
-def _remember_resolved(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
-                       sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any, estimator: Any,
-                       precision: Any, block_size: Any) -> _Resolved:
-    """_resolve_cached, and the result memoized by identity when it is shared."""
-    global _MEMO
-    r = _resolve_cached(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
-                        attention_sink, local_window, estimator, precision, block_size)
-    if r.shared:
-        _MEMO = ((topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
-                  local_window, estimator, precision, block_size, r),) + _MEMO[:_MEMO_SIZE - 1]
-    return r
-
-
 def _resolve_memo(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
                   sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any, estimator: Any,
                   precision: Any, block_size: Any) -> _Resolved:
-    """_resolve_cached through the identity memo (attention() has the same loop inline)."""
+    """_resolve_cached through the identity memo (a shared result is memoized)."""
+    global _MEMO
     for m in _MEMO:
         if (topk is m[0] and is_causal is m[1] and scale is m[2] and layout is m[3] and mode is m[4]
                 and cdf_threshold is m[5] and sim_threshold is m[6] and smooth_k is m[7]
                 and attention_sink is m[8] and local_window is m[9] and estimator is m[10]
                 and precision is m[11] and block_size is m[12]):
             return m[13]
-    return _remember_resolved(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
-                              attention_sink, local_window, estimator, precision, block_size)
+    r = _resolve_cached(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
+                        attention_sink, local_window, estimator, precision, block_size)
+    if r.shared:
+        _MEMO = ((topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
+                  local_window, estimator, precision, block_size, r),) + _MEMO[:_MEMO_SIZE - 1]
+    return r
 
 
 def _split_torch_heads(r: _Resolved) -> Tuple[Any, ...]:
@@ -346,23 +338,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
     Raises:
         InvalidArgumentError, UnsupportedError, NoDeviceError, CudaError, ... (SpargeError).
     """
-    for m in _MEMO:  # _resolve_memo, inline
-        if (topk is m[0] and is_causal is m[1] and scale is m[2] and layout is m[3] and mode is m[4]
-                and cdf_threshold is m[5] and sim_threshold is m[6] and smooth_k is m[7]
-                and attention_sink is m[8] and local_window is m[9] and estimator is m[10]
-                and precision is m[11] and block_size is m[12]):
-            r = m[13]
-            break
-    else:
-        r = _remember_resolved(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
-                               attention_sink, local_window, estimator, precision, block_size)
-    fast = _FAST
-    if fast is not None and not return_sparsity and EAGER_DIRECT:
-        # Eager torch call whose arguments were seen before: one cache hit (_torch_ops.fast_attention).
-        res = fast(q, k, v, r, mask, out, return_lse)
-        if res is not None:
-            return res
-    return _attention_general(q, k, v, r, mask, out, return_sparsity, return_lse, stream, None, None)
+    r = _resolve_memo(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
+                      attention_sink, local_window, estimator, precision, block_size)
+    return _attention(q, k, v, r, mask, out, return_sparsity, return_lse, stream)
 
 
 def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any, out: Any,
@@ -375,13 +353,6 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
         res = fast(q, k, v, r, mask, out, return_lse)
         if res is not None:
             return res
-    return _attention_general(q, k, v, r, mask, out, return_sparsity, return_lse, stream, plan, workspace)
-
-
-def _attention_general(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any, out: Any,
-                       return_sparsity: bool, return_lse: bool, stream: Optional[int],
-                       plan: Optional[core.Plan], workspace: Any) -> Any:
-    """_attention without the prepared-call cache: every check and descriptor per call."""
     mask = _normalize_mask(mask)
     if _is_torch(q):
         extra = (("mask", mask),) if mask is not None else ()

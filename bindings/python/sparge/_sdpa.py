@@ -7,8 +7,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _capi as C
-from . import _api
-from ._api import PerHead, _attention, _attention_general, _is_torch, _resolve_memo
+from ._api import PerHead, _attention, _is_torch, _resolve_memo
 
 
 def _unsqueeze_heads(x: Any) -> Any:
@@ -91,12 +90,7 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     if not causal or L == S or S == 0:
         r = _resolve_memo(topk, causal and S > 0, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
                           attention_sink, local_window, estimator, precision, block_size)
-        fast = _api._FAST
-        res = None
-        if fast is not None and _api.EAGER_DIRECT:  # _attention's cached call, without its frame
-            res = fast(q4, k4, v4, r, None, o4, False)
-        if res is None:
-            res = _attention_general(q4, k4, v4, r, None, o4, False, False, stream, None, None)
+        res = _attention(q4, k4, v4, r, None, o4, False, False, stream)
     else:
         def resolved(c: bool) -> Any:
             return _resolve_memo(topk, c, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,

@@ -432,17 +432,13 @@ def fast_attention(q: Any, k: Any, v: Any, r: Any, mask: Any, out: Any, return_l
                 else:
                     res = q.new_empty(keep[2])
                 out_slot.value = res.data_ptr()
-            if lse_slot is None:
-                st = fn(*args)
-                if st:
-                    C.check(st, "sparge_attention_run")
-                return res
-            lse = _empty_like(lse_tmpl) if lse_tmpl is not False else q.new_empty(keep[3], dtype=_F32)
-            lse_slot.value = lse.data_ptr()
+            if lse_slot is not None:
+                lse = _empty_like(lse_tmpl) if lse_tmpl is not False else q.new_empty(keep[3], dtype=_F32)
+                lse_slot.value = lse.data_ptr()
             st = fn(*args)
             if st:
                 C.check(st, "sparge_attention_run")
-            return res, lse
+            return res if lse_slot is None else (res, lse)
     try:
         c, res, lse = _build_call(q, k, v, mask, out, r, want_lse, stream)
     except Exception:
