@@ -13,7 +13,8 @@
 #             Catch2: the machine's (v2 or v3), else the v2 header .deps/catch2/catch.hpp
 #   test      ctest (everything but gpu_tests), then the GPU test binary directly,
 #             with its measured-accuracy table; the host-pointer tests in a
-#             process of their own
+#             process of their own; the KEYS_LSE tests on the portable (mma.sync)
+#             block-score kernel
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck, initcheck on the [sanitize]
 #             subset of the GPU tests (small shapes)
 #   bench     sparge_bench (all workloads) and tools/bench/anchors.py (torch SDPA
@@ -178,6 +179,10 @@ if want test; then
     run_to "$LOG/test.log" "$(allow 60)" "$GPU_TESTS" '[hostptr]' -r compact -d yes
     rc=$?
     ((rc != 0 && rc != 77)) && fails+=("hostptr rc=$rc")
+    # The mma.sync block-score kernel of the prediction, which the sm_90a one replaces on this GPU.
+    run_to "$LOG/test.log" "$(allow 60)" env SPARGE_KERNEL_FAMILY=portable "$GPU_TESTS" '[keys_lse]' -r compact
+    rc=$?
+    ((rc != 0 && rc != 77)) && fails+=("keys_lse portable rc=$rc")
     # The portable FP16-mode kernel (the fallback where TMA cannot express the
     # strides) on the attention cases too.
     if [ "${GPU_CHECK_PORTABLE_FP16:-1}" != 0 ]; then

@@ -60,11 +60,18 @@ def gen_rs_16_tb(dt, n):
     return gen_wrapper(f"wgmma_m64n{n}k16_{dt}_rs_tb", f"m64n{n}k16.f32.{dt}.{dt}", n, True, "f32", [1, 1, 1])
 
 
-# The shapes the kernels use (N of Q.K^T = keys per step; N of P.V = kernel head dim).
+def gen_rs_16(dt, n):
+    # D(f32, m64 x n) (+)= A(16-bit registers) * B(16-bit smem, K-major)^T.
+    return gen_wrapper(f"wgmma_m64n{n}k16_{dt}_rs", f"m64n{n}k16.f32.{dt}.{dt}", n, True, "f32", [1, 1, 0])
+
+
+# The shapes the kernels use (N of Q.K^T = keys per step; N of P.V = kernel head dim;
+# N of the prediction's block scores, src/cuda/predict/sm90/, = keys per tile).
 S8_QK_N = (64, 128, 192)
 E4M3_PV_N = (64, 128)
 F16_QK_N = (64, 128, 192)
 F16_PV_N = (64, 128, 256)
+F16_KS_N = (64,)
 
 
 def gen_chain(call, ns, args):
@@ -103,6 +110,10 @@ def gen_dispatch():
         out.append("  static __device__ __forceinline__ void rs_tb_m64nNk16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {")
         out += ["  " + x for x in gen_chain(f"wgmma_m64n{{n}}k16_{dt}_rs_tb", F16_PV_N, "d, a, b, scale_d")]
         out.append("  }")
+        out.append("  template <int N>")
+        out.append("  static __device__ __forceinline__ void rs_m64nNk16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {")
+        out += ["  " + x for x in gen_chain(f"wgmma_m64n{{n}}k16_{dt}_rs", F16_KS_N, "d, a, b, scale_d")]
+        out.append("  }")
         out.append("};")
     return "\n".join(out)
 
@@ -128,6 +139,9 @@ def main():
             print()
         for n in F16_PV_N:
             print(gen_rs_16_tb(dt, n))
+            print()
+        for n in F16_KS_N:
+            print(gen_rs_16(dt, n))
             print()
     print(gen_dispatch())
     print()

@@ -1,4 +1,5 @@
-// Block scores of the estimator KEYS_LSE on the tensor cores (mma.sync, sm_80 and newer):
+// Block scores of the estimator KEYS_LSE on the tensor cores (mma.sync, sm_80 and newer; on a
+// device that runs the sm90 family, sm90/key_scores_sm90.cu's wgmma kernel takes Dk 64 and 128):
 //   scores[bh, qb, kb] = log sum_j exp(float32(scale * q'[bh, qb] . k_j))
 // over the keys j of block kb that the last row of qb sees, q' the pooled query row rounded once
 // to K's 16-bit type (docs/SEMANTICS.md, "Mask prediction").
@@ -36,128 +37,51 @@
 // fragments stay in registers for the whole key range, and every B fragment of K (ldmatrix from an
 // XOR-swizzled tile) feeds kMt MMAs. Per tile a warp computes the whole 16 kMt x 64 score tile in
 // registers (Dk/16 k-steps x 8 n-tiles per row tile), takes each row's max over the 4 lanes of its
-// quad, sums the exponentials and merges the sums over the quad: no running state across tiles.
+// quad, sums the exponentials (max and sum as trees) and merges the sums over the quad: no running
+// state across tiles.
 // Tiles that every row of the warp sees whole skip the masking. With causality a warp skips the
 // tiles past its rows' extent, and the tiles past the extent of its first row tile multiply the
 // second one only (the CTA loads them for its other warps). CTAs are ordered row chunk fastest, so
 // the CTAs reading the same keys run together and share them through L2.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "core/error.hpp"
-#include "cuda/attention/common/math.cuh"
-#include "cuda/attention/portable/primitives.cuh"
-#include "cuda/common/device.cuh"
-#include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/predict/key_scores.cuh"
 #include "cuda/predict/predict.cuh"
+#include "cuda/registry/registry.hpp"
 
 namespace sparge {
 namespace cuda {
 namespace {
 
-constexpr int kKsRows = 128;  // pooled rows per CTA
-constexpr int kKsKeys = 64;   // keys per tile (one key block)
-constexpr int kKsTiles = 32;  // key tiles per CTA (2048 keys)
+using ks::kKeys;
+using ks::kRows;
+using ks::kTiles;
 
 template <int DK>
 struct KsTraits {
   static_assert(DK % 64 == 0, "kernel head dim: a multiple of 64");
   static constexpr int kSteps = DK / 16;                 // k16 steps of the MMA
-  static constexpr int kChunks = DK / 8;                 // 16-byte chunks per key row
   static constexpr int kRowBytes = DK * 2;
-  static constexpr int kStageBytes = kKsKeys * kRowBytes;
+  static constexpr int kStageBytes = kKeys * kRowBytes;
   static constexpr int kStages = DK <= 128 ? 3 : 2;
   static constexpr int kSmem = kStages * kStageBytes;    // 24 KB at DK = 64, 48 KB at 128, 64 KB at 256
   // 16-row MMA tiles per warp: A fragments 4 * kSteps registers per tile, accumulators 32 per tile.
   // (DK == 64 ? 2 : 1, i.e. 8 warps of 16 rows at DK = 128, also builds without spills: the variant
   // to compare against, docs/PERF-NOTES.md v35.)
   static constexpr int kMt = DK <= 128 ? 2 : 1;
-  static constexpr int kWarps = kKsRows / (16 * kMt);
+  static constexpr int kWarps = kRows / (16 * kMt);
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kLoads = kKsKeys * kChunks / kThreads;  // 16-byte chunks per thread and tile
   // CTAs per SM the registers are budgeted for (65536 / (kThreads * kMinBlocks) per thread)
   static constexpr int kMinBlocks = DK == 64 ? 3 : DK == 128 ? 2 : 1;
 };
+template <int DK, class T>
+using Loader = ks::TileLoader<DK, T, KsTraits<DK>::kThreads, KsTraits<DK>::kRowBytes, 128>;
 
-struct KsArgs {
-  Problem prob;
-  Tensor4 k;
-  const float* pooled_q;  // [B*Hq, nQB, Dk]
-  float* scores;          // [B*Hq, nQB, nKB]
-  int64_t rows;           // pooled rows per kv head: group * nQB
-  uint32_t row_ctas, key_ctas;
-};
-
-using attn::fast_exp2;
 using portable::cp_async_commit;
 using portable::cp_async_wait;
 using portable::ldsm_x4;
 using portable::Mma;
 using portable::smem_u32;
-
-// 2^e as a float, e in [-126, 127].
-__device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }
-
-// A thread's share of the K tile loads: the 16-byte column chunk c = tid % kChunks of key rows
-// r0 + i * kRowStep, i < kLoads (the same chunk every tile).
-template <int DK, class T>
-struct TileLoader {
-  using Tr = KsTraits<DK>;
-  static constexpr int kRowStep = Tr::kThreads / Tr::kChunks;
-  static_assert(Tr::kThreads % Tr::kChunks == 0 && kRowStep * Tr::kLoads == kKsKeys && kRowStep % 8 == 0,
-                "tile load split (every row of a thread has the same r & 7)");
-  const unsigned char* col;  // k[b, hk, 0, 8c] (k[b, hk, 0, 0] for a chunk past the head dim): always readable
-  const unsigned char* src;  // col + r0 rows
-  int64_t rsb;               // key row stride in bytes
-  int32_t lkv;               // <= kMaxKeyBlocks * 64 (predict_supported)
-  int32_t r0;
-  uint32_t soff;             // shared offset of row r0, chunk c ^ (r0 & 7)
-  uint32_t bytes;            // 16, or 0 for a chunk past the head dim (zero-filled, nothing read)
-  __device__ __forceinline__ TileLoader(const KsArgs& a, uint32_t b, uint32_t hk) {
-    const int tid = int(threadIdx.x);
-    const int c = tid % Tr::kChunks;
-    r0 = tid / Tr::kChunks;
-    const bool cok = c * 8 < int(a.prob.D);
-    col = reinterpret_cast<const unsigned char*>(static_cast<const T*>(a.k.data) +
-                                                 a.k.offset(b, hk, 0, cok ? c * 8 : 0));
-    rsb = a.k.stride[2] * int64_t(sizeof(T));
-    src = col + int64_t(r0) * rsb;
-    lkv = int32_t(a.prob.Lkv);
-    soff = uint32_t(r0 * Tr::kRowBytes + ((c ^ (r0 & 7)) << 4));
-    bytes = cok ? 16u : 0u;
-  }
-  template <bool VEC>
-  __device__ __forceinline__ void copy(const unsigned char* p, uint32_t n, uint32_t stage, unsigned char* stage_ptr,
-                                       uint32_t off) const {
-    if constexpr (VEC) {
-      portable::cp_async16(stage + off, p, n != 0);
-    } else {
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (n != 0) v = load8_raw<false>(p);
-      *reinterpret_cast<uint4*>(stage_ptr + off) = v;
-    }
-  }
-  // One 64-key tile (keys j0..j0+63) into a stage: key row r, chunk c stored at chunk c ^ (r & 7)
-  // of the row (the 8 rows an ldmatrix reads fall into 8 different bank groups). Keys past Lkv and
-  // columns past the head dim are zeros.
-  template <bool VEC>
-  __device__ __forceinline__ void load(int32_t j0, uint32_t stage, unsigned char* stage_ptr) const {
-    const unsigned char* p = src + int64_t(j0) * rsb;
-    const int64_t step = int64_t(kRowStep) * rsb;
-    if (j0 + kKsKeys <= lkv) {  // warp-uniform: every key of the tile exists
-#pragma unroll
-      for (int i = 0; i < Tr::kLoads; ++i, p += step)
-        copy<VEC>(p, bytes, stage, stage_ptr, soff + uint32_t(i * kRowStep * Tr::kRowBytes));
-    } else {
-#pragma unroll
-      for (int i = 0; i < Tr::kLoads; ++i, p += step) {
-        const bool ok = j0 + r0 + i * kRowStep < lkv;
-        copy<VEC>(ok ? p : col, ok ? bytes : 0u, stage, stage_ptr, soff + uint32_t(i * kRowStep * Tr::kRowBytes));
-      }
-    }
-  }
-};
 
 // A warp's rows: kMt tiles of 16, the thread's rows gq and gq + 8 of each.
 template <int DK, class T>
@@ -176,7 +100,6 @@ struct WarpRows {
   template <int M0, bool MASK>
   __device__ __forceinline__ void tile_scores(uint32_t sbase, int lsel, int lxor, int tq, int32_t j0, int64_t tile,
                                               float* scores) const {
-    constexpr float kLn2 = 0.6931471805599453f;
     // acc[mt][n][2r + e]: row gq + 8r of tile mt, key 8n + 2tq + e
     float acc[MT][8][4];
 #pragma unroll
@@ -202,66 +125,27 @@ struct WarpRows {
 #pragma unroll
     for (int mt = M0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int32_t lim = last[mt][r] - j0;  // keys 0..lim of the tile are visible; < 0: none (not written)
-        // max over the row's visible raw dot products (scale > 0: the order of the scores); a NaN
-        // is ignored here and reaches the sum below
-        float m = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float x = acc[mt][n][2 * r + e];
-            m = fmaxf(m, MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : x);
-          }
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        // m == -inf: every visible term is -inf (weight 0) or NaN (stays NaN); no inf - inf
-        const float mb = m == -INFINITY ? 0.f : m * f2[mt][r];
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float t = fmaf(acc[mt][n][2 * r + e], f2[mt][r], -mb);
-            sum += fast_exp2(MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : t);
-          }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (tq == 0 && lim >= 0) scores[srow[mt][r] + tile] = fmaf(m, fac[mt][r], __log2f(sum) * kLn2);
-      }
+      for (int r = 0; r < 2; ++r)
+        ks::tile_row_score<MASK>([&](int n, int i) { return acc[mt][n][i]; }, r, tq, last[mt][r] - j0,
+                                 fac[mt][r], f2[mt][r], scores + srow[mt][r] + tile);
   }
 };
 
 template <int DK, class T, bool VEC>
 __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBlocks)
-    key_scores_mma_kernel(const KsArgs a) {
+    key_scores_mma_kernel(const ks::Args a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   using Tr = KsTraits<DK>;
-  constexpr int KS = Tr::kSteps, MT = Tr::kMt;
+  constexpr int MT = Tr::kMt;
   extern __shared__ __align__(128) unsigned char ks_smem[];
   const Problem& p = a.prob;
-
-  const uint32_t rc = blockIdx.x % a.row_ctas, t2 = blockIdx.x / a.row_ctas;
-  const uint32_t kc = t2 % a.key_ctas, bhk = t2 / a.key_ctas;
-  const uint32_t Hkv = uint32_t(p.Hkv), g = uint32_t(p.Hq / p.Hkv);
-  const uint32_t b = bhk / Hkv, hk = bhk % Hkv;
-  const int64_t row0 = int64_t(rc) * kKsRows;
-  const int64_t row_last = min(a.rows, row0 + kKsRows) - 1;
-  // rows are query-block major: the CTA's last row has its largest query block, hence its causal extent
-  const int64_t vis = visible_key_blocks(p, row_last / g);
-  const int64_t t_begin = int64_t(kc) * kKsTiles;
-  const int64_t t_end = min(vis, t_begin + kKsTiles);
-  if (t_begin >= t_end) return;  // uniform
-  const int ntiles = int(t_end - t_begin);
+  const ks::CtaWork cw(a, kRows);
+  if (cw.ntiles == 0) return;  // uniform
+  const uint32_t b = cw.b, hk = cw.hk, g = cw.g;
+  const int64_t row0 = cw.row0, t_begin = cw.t_begin;
+  const int ntiles = cw.ntiles;
 
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
-  // last visible key of query block qb's last row
-  auto row_last_key = [&](int64_t qb) {
-    int64_t lk = p.Lkv - 1;
-    if (p.causal) lk = min(lk, causal_last_key(min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv));
-    return int32_t(max(lk, int64_t(-1)));
-  };
   // Per row tile of the warp: its extent (tiles past it are loaded for the other warps but not
   // multiplied; a tile of padding rows only takes the extent of the tile before it, so that the
   // extents do not decrease in mt), and the last visible key of the warp's first row, the smallest
@@ -269,21 +153,19 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
   int64_t mvis[MT];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    const int64_t first = row0 + 16 * (MT * warp + mt);
-    const int64_t lastr = min(a.rows, first + 16) - 1;
-    mvis[mt] = lastr < first ? 0 : visible_key_blocks(p, lastr / g);
+    mvis[mt] = cw.extent(a, row0 + 16 * (MT * warp + mt), 16);
     if (mt > 0) mvis[mt] = max(mvis[mt], mvis[mt - 1]);
   }
   const int64_t wfirst = row0 + 16 * MT * warp;
-  const int32_t kmin = wfirst < a.rows ? row_last_key(wfirst / g) : -1;
+  const int32_t kmin = wfirst < a.rows ? ks::row_last_key(p, wfirst / g) : -1;
 
   const uint32_t smem0 = smem_u32(ks_smem);
-  const TileLoader<DK, T> ld(a, b, hk);
+  const Loader<DK, T> ld(a, b, hk);
   // prologue: the first stages of K in flight while the A fragments are built
 #pragma unroll
   for (int s = 0; s < Tr::kStages - 1; ++s) {
     if (s < ntiles)
-      ld.template load<VEC>(int32_t(t_begin + s) * kKsKeys, smem0 + s * Tr::kStageBytes,
+      ld.template load<VEC>(int32_t(t_begin + s) * kKeys, smem0 + s * Tr::kStageBytes,
                             ks_smem + s * Tr::kStageBytes);
     cp_async_commit();
   }
@@ -296,61 +178,12 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t row = row0 + 16 * (MT * warp + mt) + gq + 8 * r;
-      wr.srow[mt][r] = 0;
-      wr.last[mt][r] = -1;
-      const float* pq = nullptr;
-      if (row < a.rows) {
-        const int64_t qb = row / g, h = int64_t(hk) * g + row % g, bh = int64_t(b) * p.Hq + h;
-        pq = a.pooled_q + (bh * p.nQB + qb) * DK;
-        wr.srow[mt][r] = (bh * p.nQB + qb) * p.nKB;
-        wr.last[mt][r] = row_last_key(qb);
-      }
-      // the row's float32 values at the fragment positions: (ks, {c, c+1, c+8, c+9})
-      float xv[KS][4];
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int c = ks * 16 + 8 * hh + 2 * tq;
-          float2 v = make_float2(0.f, 0.f);
-          if (pq != nullptr && c < D) v = *reinterpret_cast<const float2*>(pq + c);
-          xv[ks][2 * hh] = v.x;
-          xv[ks][2 * hh + 1] = v.y;
-        }
-      // per-row power-of-two scaling (fp16), then one rounding to the 16-bit type
-      float fac = p.scale;
-      if constexpr (std::is_same<T, __half>::value) {
-        float mx = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(xv[ks][e]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        int s = 0;
-        if (mx > 0.f && isfinite(mx)) {  // (fmaxf drops NaN; an infinite row stays unscaled and non-finite)
-          int ex;
-          frexpf(mx, &ex);  // mx in [2^(ex-1), 2^ex)
-          s = min(max(15 - ex, -64), 64);
-        }
-        if (s != 0) {
-          const float up = pow2f(s);
-#pragma unroll
-          for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) xv[ks][e] *= up;
-          fac = p.scale * pow2f(-s);
-        }
-      }
+      const ks::CtaWork::Row rr = cw.row<DK>(a, row0 + 16 * (MT * warp + mt) + gq + 8 * r);
+      wr.srow[mt][r] = rr.srow;
+      wr.last[mt][r] = rr.last;
+      const float fac = ks::row_fragments<DK, T>(rr.pq, D, tq, p.scale, r, wr.a[mt]);
       wr.fac[mt][r] = fac;
       wr.f2[mt][r] = fac * 1.4426950408889634f;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        // a0/a1: rows gq / gq+8, columns c, c+1; a2/a3: the same rows, columns c+8, c+9
-        wr.a[mt][ks][r] = Mma<T>::pack(xv[ks][0], xv[ks][1]);
-        wr.a[mt][ks][2 + r] = Mma<T>::pack(xv[ks][2], xv[ks][3]);
-      }
     }
 
   // ldmatrix.x4 rows of this lane: keys 16 np + 8 (lane >> 4) + (lane & 7), chunk 2 ks + ((lane >> 3) & 1)
@@ -366,7 +199,7 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
       int ns = stage + Tr::kStages - 1;
       if (ns >= Tr::kStages) ns -= Tr::kStages;
       if (nx < ntiles)
-        ld.template load<VEC>(int32_t(t_begin + nx) * kKsKeys, smem0 + ns * Tr::kStageBytes,
+        ld.template load<VEC>(int32_t(t_begin + nx) * kKeys, smem0 + ns * Tr::kStageBytes,
                               ks_smem + ns * Tr::kStageBytes);
       cp_async_commit();
     }
@@ -374,14 +207,14 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
     if (++stage == Tr::kStages) stage = 0;
     const int64_t tile = t_begin + i;
     if (tile >= mvis[MT - 1]) continue;  // warp-uniform; the next iteration's barrier is still reached
-    const int32_t j0 = int32_t(tile * kKsKeys);
+    const int32_t j0 = int32_t(tile * kKeys);
     if constexpr (MT == 2) {
       if (tile >= mvis[0]) {  // past the first row tile's extent (causal): the second tile only
         wr.template tile_scores<1, true>(sbase, lsel, lxor, tq, j0, tile, a.scores);
         continue;
       }
     }
-    if (j0 + kKsKeys - 1 <= kmin)
+    if (j0 + kKeys - 1 <= kmin)
       wr.template tile_scores<0, false>(sbase, lsel, lxor, tq, j0, tile, a.scores);
     else
       wr.template tile_scores<0, true>(sbase, lsel, lxor, tq, j0, tile, a.scores);
@@ -394,27 +227,39 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
-  if (p.BK != kKsKeys)
-    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE on CUDA needs block_k = %d, got %lld", kKsKeys,
+  if (p.BK != kKeys)
+    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE on CUDA needs block_k = %d, got %lld", kKeys,
                 (long long)p.BK);
   char* base = static_cast<char*>(ws);
-  KsArgs ka;
+  ks::Args ka;
   ka.prob = p;
   ka.k = k;
   ka.pooled_q = ws_ptr<float>(base, L.pooled_q);
   ka.scores = ws_ptr<float>(base, L.scores);
   ka.rows = p.group() * p.nQB;
-  const int64_t row_ctas = ceil_div(ka.rows, kKsRows), key_ctas = ceil_div(p.nKB, kKsTiles);
-  const int64_t n = p.B * p.Hkv * row_ctas * key_ctas;
-  if (n <= 0) return SPARGE_OK;
-  if (n > int64_t(0x7fffffff) || row_ctas > int64_t(0xffffffff))
+  // The grid for the smallest CTA (64 rows) is checked once for both kernels.
+  const int64_t key_ctas = ceil_div(p.nKB, kTiles);
+  if (p.B * p.Hkv * key_ctas <= 0 || ka.rows <= 0) return SPARGE_OK;
+  if (p.B * p.Hkv * ceil_div(ka.rows, 64) * key_ctas > int64_t(0x7fffffff))
     return fail(SPARGE_ERR_UNSUPPORTED, "key score grid too large");
-  ka.row_ctas = uint32_t(row_ctas), ka.key_ctas = uint32_t(key_ctas);
+  ka.key_ctas = uint32_t(key_ctas);
+  const int64_t row_ctas = ceil_div(ka.rows, kRows);
+  const int64_t n = p.B * p.Hkv * row_ctas * key_ctas;
+  ka.row_ctas = uint32_t(row_ctas);
   // 16-byte copies need a 16-byte aligned base and row/head/batch strides of multiples of 8 elements
   bool vec = reinterpret_cast<uintptr_t>(k.data) % 16 == 0;
   for (int d = 0; d < 3; ++d)
     if (k.shape[d] > 1 && k.stride[d] % 8 != 0) vec = false;
   cudaError_t err = cudaErrorInvalidValue;
+  // The wgmma kernel where the plan runs the sm90 family (SPARGE_KERNEL_FAMILY=portable: this one).
+#if defined(SPARGE_WITH_SM90)
+  Family fam;
+  if (family_for_device(plan.sm_version, &fam) && fam == Family::kSm90) {
+    bool ran = false;
+    SPARGE_TRY(ks::launch_key_scores_sm90(ka, vec, stream, &ran));
+    if (ran) return SPARGE_OK;
+  }
+#endif
   const bool built = dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
     constexpr int DK = decltype(dc)::value;
     using T = typename decltype(tt)::type;

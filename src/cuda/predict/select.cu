@@ -2,6 +2,8 @@
 // vectors), per-row softmax (float64), top-k / CDF selection with the exact tie rule (probability
 // descending, lower block index first), forced blocks, the uint8 mask and the
 // kept counts. Pipeline and costs: docs/PREDICTION.md.
+#include <algorithm>
+
 #include "core/error.hpp"
 #include "cuda/common/device.cuh"
 #include "cuda/common/internal.cuh"
@@ -117,7 +119,7 @@ __global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s
 }
 
 // ---------------------------------------------------------------- selection
-// One warp (a CTA of 32 threads) per (b, h, qb) row. Probabilities P
+// One warp per (b, h, qb) row (kSelRows rows per CTA). Probabilities P
 // (float32, from a float64 softmax), then the selection threshold by a
 // bitwise search over the bit patterns of P (non-negative floats order like
 // their bit patterns):
@@ -173,21 +175,24 @@ struct RowSearch {
   int V;
   const uint32_t* pb;      // shared: all V bit patterns (the tail beyond the cache)
 
+  // (uc and wc are 0 past the cache's entries in use and past V, and t >= 1: those never count.)
   __device__ __forceinline__ unsigned long long local(uint32_t t) const {
-    unsigned long long w = 0;
     const int lane = threadIdx.x & 31;
+    if (CDF) {
+      unsigned long long w = 0;
 #pragma unroll
-    for (int i = 0; i < kSelCache; ++i) {
-      if (CDF) {
-        if (i < nloc && uc[i] >= t) w += wc[i];  // t >= 1: candidates only
-      } else {
-        if (i < nloc && lane + 32 * i < V && uc[i] >= t) w += 1ull;
+      for (int i = 0; i < kSelCache; ++i)
+        if (uc[i] >= t) w += wc[i];
+      for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
+        const uint32_t u = pb[kb];
+        if (u >= t) w += fixed62(u - 1u);
       }
+      return w;
     }
-    for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
-      const uint32_t u = pb[kb];
-      if (u >= t) w += CDF ? fixed62(u - 1u) : 1ull;
-    }
+    uint32_t w = 0;  // top-k: counts, in 32 bits (V <= kMaxKeyBlocks)
+#pragma unroll
+    for (int i = 0; i < kSelCache; ++i) w += uint32_t(uc[i] >= t);
+    for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) w += uint32_t(pb[kb] >= t);
     return w;
   }
   __device__ __forceinline__ unsigned long long total_ge(uint32_t t) const {
@@ -238,20 +243,29 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
   }
 }
 
-// Dynamic shared memory: nKB probability bit patterns (u32) + nKB flags.
-__global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
+// Up to kSelRows warps per CTA (blockDim.x / 32), one row each (a head's consecutive query blocks).
+// Dynamic shared memory per warp: nKB probability bit patterns (u32) + nKB flags, rounded up to 16
+// bytes; at most kSelSmem per CTA (fewer rows per CTA for long rows).
+constexpr int kSelRows = 4;
+constexpr size_t kSelSmem = 96 * 1024;
+__host__ __device__ inline size_t select_warp_smem(int64_t nKB) { return (size_t(nKB) * (sizeof(uint32_t) + 1) + 15) / 16 * 16; }
+
+__global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs a, uint32_t nrows) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   extern __shared__ __align__(16) unsigned char smem[];
   const Problem& p = a.prob;
   const PredictConfig& cfg = a.cfg;
   const int nKB = int(p.nKB);
-  uint32_t* pb = reinterpret_cast<uint32_t*>(smem);
-  uint8_t* sel = smem + size_t(nKB) * sizeof(uint32_t);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t row = blockIdx.x * (blockDim.x >> 5) + uint32_t(warp);
+  if (row >= nrows) return;  // warp-uniform; no CTA-wide barrier below
+  unsigned char* wsm = smem + size_t(warp) * select_warp_smem(nKB);
+  uint32_t* pb = reinterpret_cast<uint32_t*>(wsm);
+  uint8_t* sel = wsm + size_t(nKB) * sizeof(uint32_t);
 
   const uint32_t nQB = uint32_t(p.nQB), Hq = uint32_t(p.Hq);
-  const uint32_t qb = blockIdx.x % nQB, bh = blockIdx.x / nQB;
+  const uint32_t qb = row % nQB, bh = row / nQB;
   const uint32_t b = bh / Hq, h = bh % Hq, bhk = b * uint32_t(p.Hkv) + h / (Hq / uint32_t(p.Hkv));
-  const int lane = threadIdx.x;
   const int V = int(visible_key_blocks(p, qb));
   const float sim_thr = cfg.sim_per_head ? cfg.sim_per_head[h] : cfg.sim_threshold;
 
@@ -279,11 +293,23 @@ __global__ void __launch_bounds__(32) select_kernel(const SelectArgs a) {
     if (force_row || nonfinite) {
       for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
     } else {
-      // softmax over the visible entries (float64, as the CPU reference)
-      double tot = 0.0;
-      for (int kb = lane; kb < V; kb += 32) tot += exp(double(__uint_as_float(pb[kb])) - double(mx));
+      // softmax over the visible entries (float64, as the CPU reference); the exponentials of
+      // the first 32 kSelCache blocks are kept in registers for the division
+      double tot = 0.0, ex[kSelCache];
+#pragma unroll
+      for (int i = 0; i < kSelCache; ++i) {
+        const int kb = lane + 32 * i;
+        ex[i] = kb < V ? exp(double(__uint_as_float(pb[kb])) - double(mx)) : 0.0;
+        tot += ex[i];
+      }
+      for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) tot += exp(double(__uint_as_float(pb[kb])) - double(mx));
       tot = warp_sum_f64(tot);
-      for (int kb = lane; kb < V; kb += 32)
+#pragma unroll
+      for (int i = 0; i < kSelCache; ++i) {
+        const int kb = lane + 32 * i;
+        if (kb < V) pb[kb] = __float_as_uint(float(ex[i] / tot));
+      }
+      for (int kb = lane + 32 * kSelCache; kb < V; kb += 32)
         pb[kb] = __float_as_uint(float(exp(double(__uint_as_float(pb[kb])) - double(mx)) / tot));
       __syncwarp();
       // forced blocks of the budget (sink, local window, causal diagonal): kept first, their
@@ -400,9 +426,14 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   se.cnt = lists_too ? ws_ptr<int32_t>(base, L.cnt) : nullptr;
   if (lists_too && (L.idx == 0 || L.cnt == 0))
     return fail(SPARGE_ERR_INTERNAL, "CUDA selection: workspace layout lacks idx/cnt");
-  const size_t smem = size_t(p.nKB) * (sizeof(uint32_t) + 1);
+  const int64_t nrows = bhq * p.nQB;
+  if (nrows > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "selection grid too large");
+  const size_t wsm = select_warp_smem(p.nKB);
+  const int rpc = int(std::max<size_t>(1, std::min<size_t>(kSelRows, kSelSmem / wsm)));
+  const size_t smem = size_t(rpc) * wsm;
   SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&select_kernel), int(smem), p.device_id));
-  SPARGE_PDL_CHECK(launch_pdl(select_kernel, dim3(unsigned(bhq * p.nQB)), dim3(32), smem, stream, se),
+  SPARGE_PDL_CHECK(launch_pdl(select_kernel, dim3(unsigned(ceil_div(nrows, rpc))), dim3(32 * rpc), smem, stream, se,
+                              uint32_t(nrows)),
                    "sparge block selection kernel");
   return SPARGE_OK;
 }

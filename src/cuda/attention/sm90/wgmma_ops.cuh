@@ -97,6 +97,14 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16_rs_tb(float (&d)[128], cons
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
 __device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -145,6 +153,14 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_rs_tb(float (&d)[128], con
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
+__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
 // The shapes by N: wgmma_s8_ss<N>, wgmma_e4m3_rs<N>, and by element type
 // Wgmma16<__half>, Wgmma16<__nv_bfloat16>.
 template <int N>
@@ -178,6 +194,11 @@ struct Wgmma16<__half> {
     else if constexpr (N == 256) wgmma_m64n256k16_f16_rs_tb(d, a, b, scale_d);
     else static_assert(N == 64, "no wgmma wrapper of this N: add it to tools/gen/gen_wgmma.py");
   }
+  template <int N>
+  static __device__ __forceinline__ void rs_m64nNk16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+    if constexpr (N == 64) wgmma_m64n64k16_f16_rs(d, a, b, scale_d);
+    else static_assert(N == 64, "no wgmma wrapper of this N: add it to tools/gen/gen_wgmma.py");
+  }
 };
 template <>
 struct Wgmma16<__nv_bfloat16> {
@@ -193,6 +214,11 @@ struct Wgmma16<__nv_bfloat16> {
     if constexpr (N == 64) wgmma_m64n64k16_bf16_rs_tb(d, a, b, scale_d);
     else if constexpr (N == 128) wgmma_m64n128k16_bf16_rs_tb(d, a, b, scale_d);
     else if constexpr (N == 256) wgmma_m64n256k16_bf16_rs_tb(d, a, b, scale_d);
+    else static_assert(N == 64, "no wgmma wrapper of this N: add it to tools/gen/gen_wgmma.py");
+  }
+  template <int N>
+  static __device__ __forceinline__ void rs_m64nNk16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+    if constexpr (N == 64) wgmma_m64n64k16_bf16_rs(d, a, b, scale_d);
     else static_assert(N == 64, "no wgmma wrapper of this N: add it to tools/gen/gen_wgmma.py");
   }
 };

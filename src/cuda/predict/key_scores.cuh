@@ -1,0 +1,272 @@
+// Shared by the two KEYS_LSE block-score kernels (key_scores.cu: mma.sync, sm_80 and newer;
+// sm90/key_scores_sm90.cu: wgmma, sm_90a): the CTA's work split, the argument block, the K tile
+// loader, the rounding of the pooled row and the per-row log-sum-exp of a 64-key score tile held
+// in the m16n8 accumulator layout (which wgmma's m64nN accumulators share, per warp).
+// The function and its precision: key_scores.cu's header comment and docs/PREDICTION.md.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/attention/common/math.cuh"
+#include "cuda/attention/portable/primitives.cuh"
+#include "cuda/common/device.cuh"
+#include "cuda/common/internal.cuh"
+
+namespace sparge {
+namespace cuda {
+namespace ks {
+
+constexpr int kRows = 128;  // pooled rows per CTA
+constexpr int kKeys = 64;   // keys per tile (one key block)
+constexpr int kTiles = 32;  // key tiles per CTA (2048 keys)
+
+struct Args {
+  Problem prob;
+  Tensor4 k;
+  const float* pooled_q;  // [B*Hq, nQB, Dk]
+  float* scores;          // [B*Hq, nQB, nKB]
+  int64_t rows;           // pooled rows per kv head: group * nQB
+  uint32_t row_ctas, key_ctas;
+};
+
+// Last visible key of query block qb's last row (-1: none).
+__device__ __forceinline__ int32_t row_last_key(const Problem& p, int64_t qb) {
+  int64_t lk = p.Lkv - 1;
+  if (p.causal) lk = min(lk, causal_last_key(min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv));
+  return int32_t(max(lk, int64_t(-1)));
+}
+
+// The CTA's place in the grid (row chunk fastest: the CTAs reading the same keys run together and
+// share them through L2) and its key tiles [t_begin, t_begin + ntiles): the tiles up to the causal
+// extent of its last row, which has its largest query block (rows are query-block major).
+struct CtaWork {
+  uint32_t b, hk, g;
+  int64_t row0, t_begin;
+  int ntiles;  // 0: nothing to do (uniform)
+  // rows_per_cta: kRows (mma.sync kernel) or 64 per warpgroup (wgmma kernel).
+  __device__ __forceinline__ CtaWork(const Args& a, int rows_per_cta) {
+    const Problem& p = a.prob;
+    const uint32_t rc = blockIdx.x % a.row_ctas, t2 = blockIdx.x / a.row_ctas;
+    const uint32_t kc = t2 % a.key_ctas, bhk = t2 / a.key_ctas;
+    const uint32_t Hkv = uint32_t(p.Hkv);
+    g = uint32_t(p.Hq / p.Hkv);
+    b = bhk / Hkv, hk = bhk % Hkv;
+    row0 = int64_t(rc) * rows_per_cta;
+    const int64_t row_last = min(a.rows, row0 + rows_per_cta) - 1;
+    const int64_t vis = visible_key_blocks(p, row_last / g);
+    t_begin = int64_t(kc) * kTiles;
+    const int64_t t_end = min(vis, t_begin + kTiles);
+    ntiles = t_begin < t_end ? int(t_end - t_begin) : 0;
+  }
+  // Key blocks visible to the last of rows [first, first + n) that exist (0 if none does).
+  __device__ __forceinline__ int64_t extent(const Args& a, int64_t first, int n) const {
+    const int64_t lastr = min(a.rows, first + n) - 1;
+    return lastr < first ? 0 : visible_key_blocks(a.prob, lastr / g);
+  }
+  // Pooled row `row` of the CTA's kv head (query block row / g of query head hk g + row % g): its
+  // float32 values (nullptr past the rows: a padding row), its score row offset (bh nQB + qb) nKB
+  // and the last key it sees (-1 for a padding row).
+  struct Row {
+    const float* pq;
+    int64_t srow;
+    int32_t last;
+  };
+  template <int DK>
+  __device__ __forceinline__ Row row(const Args& a, int64_t r) const {
+    Row o{nullptr, 0, -1};
+    if (r < a.rows) {
+      const Problem& p = a.prob;
+      const int64_t qb = r / g, h = int64_t(hk) * g + r % g, bh = int64_t(b) * p.Hq + h;
+      o.pq = a.pooled_q + (bh * p.nQB + qb) * DK;
+      o.srow = (bh * p.nQB + qb) * p.nKB;
+      o.last = row_last_key(p, qb);
+    }
+    return o;
+  }
+};
+
+// 2^e as a float, e in [-126, 127].
+__device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }
+
+// fp16: the power of two 2^s that puts the row's largest finite |q_c| (mx, NaN ignored by the
+// caller's fmaxf) in [2^14, 2^15), s clamped to [-64, 64]; 0 for a zero or non-finite maximum (an
+// infinite row stays unscaled and non-finite). bf16 rows are not scaled.
+template <class T>
+__device__ __forceinline__ int row_shift(float mx) {
+  if constexpr (std::is_same<T, __half>::value) {
+    if (mx > 0.f && isfinite(mx)) {
+      int ex;
+      frexpf(mx, &ex);  // mx in [2^(ex-1), 2^ex)
+      return min(max(15 - ex, -64), 64);
+    }
+  }
+  return 0;
+}
+
+// The MMA A fragments of one pooled row, q' (the float32 row pq rounded once to T; fp16 rows
+// first scaled by their power of two 2^s): the thread's pair of rows gq (r = 0) and gq + 8 (r = 1)
+// of a 16-row tile in the m16n8k16 layout, which wgmma's register A operand shares per warp:
+// a[ks][r] = columns 16ks + 2tq, +1 and a[ks][2 + r] = columns 16ks + 8 + 2tq, +1. pq == nullptr
+// (a padding row) and columns past D give zeros. Every lane of the quad must call it (the fp16
+// row maximum is taken over the quad). Returns the score factor scale * 2^-s.
+template <int DK, class T>
+__device__ __forceinline__ float row_fragments(const float* pq, int D, int tq, float scale, int r,
+                                               uint32_t (&a)[DK / 16][4]) {
+  constexpr int KS = DK / 16;
+  float xv[KS][4];  // the row's values at the fragment positions: (ks, {c, c+1, c+8, c+9})
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int c = ks * 16 + 8 * hh + 2 * tq;
+      float2 v = make_float2(0.f, 0.f);
+      if (pq != nullptr && c < D) v = *reinterpret_cast<const float2*>(pq + c);
+      xv[ks][2 * hh] = v.x;
+      xv[ks][2 * hh + 1] = v.y;
+    }
+  float fac = scale;
+  if constexpr (std::is_same<T, __half>::value) {
+    float mx = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(xv[ks][e]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const int s = row_shift<T>(mx);
+    if (s != 0) {
+      const float up = pow2f(s);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xv[ks][e] *= up;
+      fac = scale * pow2f(-s);
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    a[ks][r] = portable::Mma<T>::pack(xv[ks][0], xv[ks][1]);
+    a[ks][2 + r] = portable::Mma<T>::pack(xv[ks][2], xv[ks][3]);
+  }
+  return fac;
+}
+
+// A thread's share of the K tile loads: the 16-byte column chunk c = tid % (DK / 8) of key rows
+// r0 + i * kRowStep, i < kLoads (the same chunk every tile). Shared layout: key row r, chunk c at
+// r * kPitch + (c / 8) * kColBytes + ((c % 8) ^ (r % 8)) * 16, i.e. the 8 chunks of a 128-byte
+// span XOR-swizzled by the row (mma.sync kernel: whole rows, kPitch = 2 DK, kColBytes = 128; wgmma
+// kernel: the 128-byte-swizzle layout of 64-column blocks, kPitch = 128, kColBytes = 64 * 128).
+template <int DK, class T, int kThreads, int kPitch, int kColBytes>
+struct TileLoader {
+  static constexpr int kChunks = DK / 8;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kLoads = kKeys * kChunks / kThreads;
+  static_assert(kThreads % kChunks == 0 && kRowStep * kLoads == kKeys && kRowStep % 8 == 0,
+                "tile load split (every row of a thread has the same r & 7)");
+  const unsigned char* col;  // k[b, hk, 0, 8c] (k[b, hk, 0, 0] for a chunk past the head dim): always readable
+  const unsigned char* src;  // col + r0 rows
+  int64_t rsb;               // key row stride in bytes
+  int32_t lkv;               // <= kMaxKeyBlocks * 64 (predict_supported)
+  int32_t r0;
+  uint32_t soff;             // shared offset of row r0, chunk c
+  uint32_t bytes;            // 16, or 0 for a chunk past the head dim (zero-filled, nothing read)
+  __device__ __forceinline__ TileLoader(const Args& a, uint32_t b, uint32_t hk) {
+    const int tid = int(threadIdx.x);
+    const int c = tid % kChunks;
+    r0 = tid / kChunks;
+    const bool cok = c * 8 < int(a.prob.D);
+    col = reinterpret_cast<const unsigned char*>(static_cast<const T*>(a.k.data) +
+                                                 a.k.offset(b, hk, 0, cok ? c * 8 : 0));
+    rsb = a.k.stride[2] * int64_t(sizeof(T));
+    src = col + int64_t(r0) * rsb;
+    lkv = int32_t(a.prob.Lkv);
+    soff = uint32_t(r0 * kPitch + (c >> 3) * kColBytes + (((c & 7) ^ (r0 & 7)) << 4));
+    bytes = cok ? 16u : 0u;
+  }
+  template <bool VEC>
+  __device__ __forceinline__ void copy(const unsigned char* p, uint32_t n, uint32_t stage, unsigned char* stage_ptr,
+                                       uint32_t off) const {
+    if constexpr (VEC) {
+      portable::cp_async16(stage + off, p, n != 0);
+    } else {
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (n != 0) v = load8_raw<false>(p);
+      *reinterpret_cast<uint4*>(stage_ptr + off) = v;
+    }
+  }
+  // One 64-key tile (keys j0..j0+63) into a stage (shared address `stage`, generic `stage_ptr`).
+  // Keys past Lkv and columns past the head dim are zeros.
+  template <bool VEC>
+  __device__ __forceinline__ void load(int32_t j0, uint32_t stage, unsigned char* stage_ptr) const {
+    const unsigned char* p = src + int64_t(j0) * rsb;
+    const int64_t step = int64_t(kRowStep) * rsb;
+    if (j0 + kKeys <= lkv) {  // warp-uniform: every key of the tile exists
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i, p += step)
+        copy<VEC>(p, bytes, stage, stage_ptr, soff + uint32_t(i * kRowStep * kPitch));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i, p += step) {
+        const bool ok = j0 + r0 + i * kRowStep < lkv;
+        copy<VEC>(ok ? p : col, ok ? bytes : 0u, stage, stage_ptr, soff + uint32_t(i * kRowStep * kPitch));
+      }
+    }
+  }
+};
+
+// The block score of one row of a 64-key score tile in the m16n8 accumulator layout: acc(n, 2r + e)
+// is this thread's raw dot product of row gq + 8r with key 8n + 2tq + e (n < 8), the quad (4 lanes,
+// tq = lane & 3) holding the row. lim: the row sees keys 0..lim of the tile (< 0: none, nothing is
+// written). fac = scale * 2^-s, f2 = fac * log2(e). MASK: some key of the tile may be past lim.
+// The row's max m over its raw accumulators (scale > 0: the order of the scores; a NaN is ignored
+// here and reaches the sum), then 2^(acc f2 - m f2) (ex2.approx) and m fac + ln(sum).
+template <bool MASK, class Acc>
+__device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, int32_t lim, float fac, float f2,
+                                               float* out) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  float v[16];  // the row's 16 scores of this thread, keys past lim at -inf (weight 0)
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x = acc(n, 2 * r + e);
+      v[2 * n + e] = MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : x;
+    }
+  // max and sum as trees (4 dependent steps instead of 16)
+  float mt[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) mt[i] = fmaxf(v[i], v[i + 8]);
+#pragma unroll
+  for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+    for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
+  float m = mt[0];
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  // m == -inf: every visible term is -inf (weight 0) or NaN (stays NaN); no inf - inf
+  const float mb = m == -INFINITY ? 0.f : m * f2;
+  float st[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    st[i] = attn::fast_exp2(fmaf(v[i], f2, -mb)) + attn::fast_exp2(fmaf(v[i + 8], f2, -mb));
+#pragma unroll
+  for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+    for (int i = 0; i < w; ++i) st[i] += st[i + w];
+  float sum = st[0];
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  if (tq == 0 && lim >= 0) *out = fmaf(m, fac, __log2f(sum) * kLn2);
+}
+
+// The wgmma kernel (sm_90a, Dk 64 and 128; built with the sm90 family): *ran = false when the
+// head dim has none (the caller then runs the mma.sync kernel). `a` without its grid (row_ctas
+// is set here); vec: 16-byte K loads.
+sparge_status_t launch_key_scores_sm90(Args a, bool vec, cudaStream_t stream, bool* ran);
+
+}  // namespace ks
+}  // namespace cuda
+}  // namespace sparge
