@@ -250,7 +250,8 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   bool vec = reinterpret_cast<uintptr_t>(k.data) % 16 == 0;
   for (int d = 0; d < 3; ++d)
     if (k.shape[d] > 1 && k.stride[d] % 8 != 0) vec = false;
-  cudaError_t err = cudaErrorInvalidValue;
+  cudaError_t err = cudaSuccess;
+  sparge_status_t st = SPARGE_OK;
   // The wgmma kernel where the plan runs the sm90 family (SPARGE_KERNEL_FAMILY=portable: this one).
 #if defined(SPARGE_WITH_SM90)
   Family fam;
@@ -265,14 +266,13 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
     using T = typename decltype(tt)::type;
     auto kern = vec ? key_scores_mma_kernel<DK, T, true> : key_scores_mma_kernel<DK, T, false>;
     constexpr int smem = KsTraits<DK>::kSmem;
-    err = cudaSuccess;
-    if (smem > 48 * 1024) err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err == cudaSuccess)
-      err = launch_pdl(kern, dim3(unsigned(n)), dim3(KsTraits<DK>::kThreads), size_t(smem), stream, ka);
+    st = ensure_smem_attr(reinterpret_cast<const void*>(kern), smem, p.device_id);
+    if (st == SPARGE_OK) err = launch_pdl(kern, dim3(unsigned(n)), dim3(KsTraits<DK>::kThreads), size_t(smem), stream, ka);
   });
   if (!built)
     return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE on CUDA: kernel head dim %lld not built",
                 (long long)p.Dk);
+  SPARGE_TRY(st);
   SPARGE_PDL_CHECK(err, "sparge per-key scores kernel");
   return SPARGE_OK;
 }

@@ -119,7 +119,7 @@ __global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s
 }
 
 // ---------------------------------------------------------------- selection
-// One warp per (b, h, qb) row (kSelRows rows per CTA). Probabilities P
+// One warp per (b, h, qb) row (up to kSelRows rows per CTA). Probabilities P
 // (float32, from a float64 softmax), then the selection threshold by a
 // bitwise search over the bit patterns of P (non-negative floats order like
 // their bit patterns):
@@ -248,7 +248,9 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
 // bytes; at most kSelSmem per CTA (fewer rows per CTA for long rows).
 constexpr int kSelRows = 4;
 constexpr size_t kSelSmem = 96 * 1024;
-__host__ __device__ inline size_t select_warp_smem(int64_t nKB) { return (size_t(nKB) * (sizeof(uint32_t) + 1) + 15) / 16 * 16; }
+__host__ __device__ inline size_t select_warp_smem(int64_t nKB) {
+  return (size_t(nKB) * (sizeof(uint32_t) + 1) + 15) / 16 * 16;
+}
 
 __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs a, uint32_t nrows) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)

@@ -26,28 +26,29 @@ namespace {
 
 using ks::kKeys;
 
+constexpr int kKCol = kKeys * 128;  // bytes per 64-column block of a K tile
+
 template <int DK, int WG>
 struct Ks90 {
   static_assert(DK == 64 || DK == 128, "wgmma block scores: Dk 64 or 128");
   static_assert(WG == 1 || WG == 2, "one or two warpgroups per CTA");
   static constexpr int kThreads = 128 * WG;
   static constexpr int kRowsCta = 64 * WG;
-  static constexpr int kKCol = kKeys * 128;               // bytes per 64-column block of a K tile
   static constexpr int kStageBytes = (DK / 64) * kKCol;  // 8 KB / 16 KB
   // kStages - 2 tiles loading during a step; 2 CTAs per SM of two warpgroups, 4 of one
-  static constexpr int kStages = WG == 2 ? 4 : (DK == 64 ? 4 : 3);
+  static constexpr int kStages = (WG == 2 || DK == 64) ? 4 : 3;
   static constexpr int kMinBlocks = WG == 2 ? 2 : 4;
   // 1024-byte aligned stages (the swizzle pattern repeats every 8 rows of 128 bytes)
   static constexpr int kSmem = 1024 + kStages * kStageBytes;
 };
 template <int DK, class T, int WG>
-using Loader90 = ks::TileLoader<DK, T, Ks90<DK, WG>::kThreads, 128, Ks90<DK, WG>::kKCol>;
+using Loader90 = ks::TileLoader<DK, T, Ks90<DK, WG>::kThreads, 128, kKCol>;
 
 template <int DK, class T>
 __device__ __forceinline__ void issue_tile(float (&d)[32], const uint32_t (&qa)[DK / 16][4], uint64_t dk) {
 #pragma unroll
   for (int kk = 0; kk < DK / 16; ++kk) {
-    const uint32_t koff = (kk / 4) * (kKeys * 128) + (kk % 4) * 32;
+    const uint32_t koff = (kk / 4) * kKCol + (kk % 4) * 32;
     sm90::Wgmma16<T>::template rs_m64nNk16<64>(d, qa[kk], dk + uint64_t(koff >> 4), kk > 0);
   }
 }
@@ -181,10 +182,10 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, cudaStream_t stream, bo
   const Problem& p = a.prob;
   *ran = false;
   sparge_status_t st = SPARGE_OK;
-  // One warpgroup per CTA (64 rows, 4 CTAs per SM) where it measured faster: causal (a CTA's tiles
-  // end at its own rows' extent, so fewer tiles past a row's extent are multiplied) and Dk = 64;
-  // two (128 rows: K read from L2 half as often) for non-causal Dk = 128 (docs/PERF-NOTES.md v38).
-  const bool one = p.causal || p.Dk == 64;
+  cudaError_t err = cudaSuccess;
+  // One warpgroup per CTA (64 rows, 4 CTAs per SM) where it measured faster: Dk = 64, and causal (a
+  // CTA's tiles end at its own rows' extent, so fewer tiles past a row's extent are multiplied); two
+  // (128 rows: K read from L2 half as often) for non-causal Dk = 128 (docs/PERF-NOTES.md v38).
   dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
     constexpr int DK = decltype(dc)::value;
     using T = typename decltype(tt)::type;
@@ -197,23 +198,18 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, cudaStream_t stream, bo
         a.row_ctas = uint32_t(row_ctas);
         const int64_t n = p.B * p.Hkv * row_ctas * int64_t(a.key_ctas);  // <= 2^31 - 1 (checked by the caller)
         st = ensure_smem_attr(reinterpret_cast<const void*>(kern), Tr::kSmem, p.device_id);
-        if (st != SPARGE_OK) return;
-        const cudaError_t e = launch_pdl(kern, dim3(unsigned(n)), dim3(Tr::kThreads), size_t(Tr::kSmem), stream, a);
-        if (e != cudaSuccess) {
-          (void)cudaGetLastError();
-          st = cuda_status(e, "sparge per-key scores kernel (sm_90a)");
-        }
+        if (st == SPARGE_OK) err = launch_pdl(kern, dim3(unsigned(n)), dim3(Tr::kThreads), size_t(Tr::kSmem), stream, a);
       };
       *ran = true;
-      if constexpr (DK == 64)
+      if (DK == 64 || p.causal)
         run(std::integral_constant<int, 1>{});
-      else if (one)
-        run(std::integral_constant<int, 1>{});
-      else
+      else if constexpr (DK == 128)
         run(std::integral_constant<int, 2>{});
     }
   });
-  return st;
+  SPARGE_TRY(st);
+  SPARGE_PDL_CHECK(err, "sparge per-key scores kernel (sm_90a)");
+  return SPARGE_OK;
 }
 
 }  // namespace ks
