@@ -191,15 +191,20 @@ static const char* dtype_name(sparge_dtype_t t) {
   }
 }
 
+static const struct {
+  const char* name;
+  sparge_precision_t value;
+} kPrecisions[] = {{"auto", SPARGE_PRECISION_AUTO},
+                   {"int8_fp8", SPARGE_PRECISION_INT8_FP8},
+                   {"int8_fp8_split_v", SPARGE_PRECISION_INT8_FP8_SPLIT_V},
+                   {"int8_fp16", SPARGE_PRECISION_INT8_FP16},
+                   {"fp16", SPARGE_PRECISION_FP16},
+                   {"exact", SPARGE_PRECISION_EXACT}};
+
 static const char* precision_name(sparge_precision_t p) {
-  switch (p) {
-    case SPARGE_PRECISION_INT8_FP8: return "int8_fp8";
-    case SPARGE_PRECISION_FP16: return "fp16";
-    case SPARGE_PRECISION_EXACT: return "exact";
-    case SPARGE_PRECISION_INT8_FP8_SPLIT_V: return "int8_fp8_split_v";
-    case SPARGE_PRECISION_INT8_FP16: return "int8_fp16";
-    default: return "?";
-  }
+  for (size_t i = 0; i < sizeof kPrecisions / sizeof kPrecisions[0]; ++i)
+    if (kPrecisions[i].value == p) return kPrecisions[i].name;
+  return "?";
 }
 
 static const char* estimator_name(int e) { return e == SPARGE_ESTIMATOR_MEAN ? "mean" : "keys_lse"; }
@@ -315,8 +320,9 @@ static void usage(FILE* f) {
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
           "  --estimator keys_lse|mean  block importance (default keys_lse: pooled q against every\n"
           "                         key; mean: pooled q against pooled k, the SpargeAttn rule)\n"
-          "  --precision int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
-          "                         (default int8_fp8; int8_fp8_split_v: V as two e4m3 terms,\n"
+          "  --precision auto|int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
+          "                         (default auto: int8_fp8 on sm_90 at long sequences, else\n"
+          "                         fp16, reported in the output; int8_fp8_split_v: V as two e4m3 terms,\n"
           "                         smaller P.V error, one more fp8 P.V product; int8_fp16:\n"
           "                         int8 Q.K, P in 16 bits, V as given; exact: CPU only)\n"
           "  --iters N              timed calls per measurement (default: cuda 20, cpu 3)\n"
@@ -363,7 +369,7 @@ static void parse_args(int argc, char** argv, options_t* o) {
   o->B = 1;
   o->H = o->Hkv = o->L = o->Lkv = o->D = -1;
   o->dtype = -1;
-  o->precision = SPARGE_PRECISION_INT8_FP8;
+  o->precision = SPARGE_PRECISION_AUTO;
   o->topk = 0.5f;
   o->cdf = 0.9f;
   o->sim_threshold = -0.1f;
@@ -482,19 +488,12 @@ static void parse_args(int argc, char** argv, options_t* o) {
         die(2, "--estimator: expected keys_lse or mean, got '%s'", v ? v : "");
     } else if (!strcmp(flag, "--precision")) {
       const char* v = VALUE();
-      if (v && !strcmp(v, "int8_fp8"))
-        o->precision = SPARGE_PRECISION_INT8_FP8;
-      else if (v && !strcmp(v, "fp16"))
-        o->precision = SPARGE_PRECISION_FP16;
-      else if (v && !strcmp(v, "exact"))
-        o->precision = SPARGE_PRECISION_EXACT;
-      else if (v && !strcmp(v, "int8_fp8_split_v"))
-        o->precision = SPARGE_PRECISION_INT8_FP8_SPLIT_V;
-      else if (v && !strcmp(v, "int8_fp16"))
-        o->precision = SPARGE_PRECISION_INT8_FP16;
-      else
-        die(2, "--precision: expected int8_fp8, int8_fp8_split_v, int8_fp16, fp16 or exact, got '%s'",
+      size_t i = 0;
+      while (i < sizeof kPrecisions / sizeof kPrecisions[0] && !(v && !strcmp(v, kPrecisions[i].name))) ++i;
+      if (i == sizeof kPrecisions / sizeof kPrecisions[0])
+        die(2, "--precision: expected auto, int8_fp8, int8_fp8_split_v, int8_fp16, fp16 or exact, got '%s'",
             v ? v : "");
+      o->precision = kPrecisions[i].value;
     } else if (!strcmp(flag, "--iters")) {
       parse_i64(flag, VALUE(), 1, &n);
       o->iters = (int)n;

@@ -73,7 +73,7 @@ typedef enum sparge_device_type {
 typedef enum sparge_precision {
   /* Q, K int8 (per-token Q scale, per-64-key-block K scale, K smoothed);
    * P and V fp8 e4m3 (per-channel V scale); fp32 accumulation.
-   * The fast default on sm_90. The CPU backend emulates it bit-for-bit in its
+   * The fastest on sm_90 at long sequences (AUTO's choice there). The CPU backend emulates it bit-for-bit in its
    * rounding steps (the "quantization twin"). */
   SPARGE_PRECISION_INT8_FP8 = 0,
   /* Q, K, P, V in the input's 16-bit type, fp32 accumulation. */
@@ -91,7 +91,16 @@ typedef enum sparge_precision {
    * given; fp32 accumulation. The error is that of the int8 Q.K^T alone
    * (relative L1 ~0.011 on random normal inputs, docs/ACCURACY.md); no V
    * preparation pass and no fp8 V region in the CUDA workspace. */
-  SPARGE_PRECISION_INT8_FP16 = 4
+  SPARGE_PRECISION_INT8_FP16 = 4,
+  /* The plan picks INT8_FP8 or FP16 from the problem and the device
+   * (docs/SEMANTICS.md, "Precision AUTO"): INT8_FP8 on compute capability 9.0
+   * for head_dim <= 128 once the problem is long enough for the int8 path's
+   * preparation passes to pay off (an effective length
+   * 3 Lq Lkv / (Lq + 2 Lkv) of at least 16384 keys at head_dim 65..128,
+   * 32768 at head_dim <= 64); FP16 everywhere else. CPU plans apply the
+   * compute capability 9.0 rule. sparge_plan_get_problem reports the choice.
+   * The SPARGE_PROBLEM_INIT default. */
+  SPARGE_PRECISION_AUTO = 5
 } sparge_precision_t;
 
 typedef enum sparge_select_mode {
@@ -145,7 +154,7 @@ typedef struct sparge_problem {
 
 #define SPARGE_PROBLEM_INIT                                                       \
   { sizeof(sparge_problem_t), 1, 1, 1, 0, 0, 128, SPARGE_DTYPE_BFLOAT16,           \
-    SPARGE_DEVICE_CPU, 0, SPARGE_PRECISION_INT8_FP8, 0, 0.0f, 0, 0 }
+    SPARGE_DEVICE_CPU, 0, SPARGE_PRECISION_AUTO, 0, 0.0f, 0, 0 }
 
 /* ------------------------------------------------------------------ prediction */
 typedef struct sparge_predict_params {
@@ -193,7 +202,8 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
  * predict_mask and attention_run need. Zero-sized workspaces may pass NULL. */
 SPARGE_API sparge_status_t sparge_plan_workspace_size(sparge_plan_t plan, size_t* bytes);
 
-/* The resolved problem (defaults filled in: scale, block sizes). */
+/* The resolved problem (defaults filled in: scale, block sizes, the precision
+ * SPARGE_PRECISION_AUTO chose). */
 SPARGE_API sparge_status_t sparge_plan_get_problem(sparge_plan_t plan, sparge_problem_t* problem);
 
 /* Number of causally visible (query-block, key-block) pairs per (batch, head):

@@ -15,7 +15,7 @@ sparge_status_t absent() {
 }  // namespace
 
 bool built() { return false; }
-sparge_status_t check_device(const Problem&, int* sm_version, const void** kernel) {
+sparge_status_t check_device(Problem&, int* sm_version, const void** kernel) {
   if (sm_version) *sm_version = 0;
   if (kernel) *kernel = nullptr;
   return absent();

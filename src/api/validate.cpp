@@ -93,10 +93,10 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
     return fail(UNS, "problem->dtype is FLOAT32: CUDA plans support FLOAT16 or BFLOAT16");
   if (precision != SPARGE_PRECISION_INT8_FP8 && precision != SPARGE_PRECISION_FP16 &&
       precision != SPARGE_PRECISION_EXACT && precision != SPARGE_PRECISION_INT8_FP8_SPLIT_V &&
-      precision != SPARGE_PRECISION_INT8_FP16)
+      precision != SPARGE_PRECISION_INT8_FP16 && precision != SPARGE_PRECISION_AUTO)
     return fail(INV,
-                "problem->precision is %d, expected INT8_FP8 (0), FP16 (1), EXACT (2), INT8_FP8_SPLIT_V (3) or "
-                "INT8_FP16 (4)",
+                "problem->precision is %d, expected INT8_FP8 (0), FP16 (1), EXACT (2), INT8_FP8_SPLIT_V (3), "
+                "INT8_FP16 (4) or AUTO (5)",
                 int(precision));
   if (gpu && precision == SPARGE_PRECISION_EXACT)
     return fail(UNS,
@@ -135,7 +135,10 @@ sparge_status_t resolve_problem(const sparge_problem_t& in, Problem* out) {
   p.dtype = sparge_dtype_t(dtype);
   p.device = sparge_device_type_t(device_type);
   p.device_id = in.device_id;
-  p.precision = sparge_precision_t(precision);
+  p.precision_is_auto = precision == SPARGE_PRECISION_AUTO;
+  // AUTO resolves here with the int8 family's rule; cuda::check_device turns
+  // it to FP16 on a device without the sm_90a kernels.
+  p.precision = p.precision_is_auto ? auto_precision(p.Lq, p.Lkv, p.D, true) : sparge_precision_t(precision);
   p.causal = in.causal != 0;
   p.scale = in.scale == 0.0f ? float(1.0 / std::sqrt(double(in.head_dim))) : in.scale;
   p.BQ = in.block_q == 0 ? kGpuBlockQ : in.block_q;

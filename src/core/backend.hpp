@@ -78,8 +78,9 @@ bool built();
 // Checks that device `id` exists and is usable for `p`; fills sm_version.
 // Called once by sparge_create_plan (host-side driver queries are allowed there).
 // The device, the preparation's limits and the attention kernel of `p`
-// (from the kernel registry); every reason to refuse the plan.
-sparge_status_t check_device(const Problem& p, int* sm_version, const void** kernel);
+// (from the kernel registry); every reason to refuse the plan. Resolves
+// SPARGE_PRECISION_AUTO for the device's kernel family (`p.precision`).
+sparge_status_t check_device(Problem& p, int* sm_version, const void** kernel);
 // The chosen kernel's facts for sparge_plan_kernel_info.
 sparge_status_t kernel_info(const Plan& plan, sparge_kernel_info_t* info);
 // True when `ptr` is device (or managed) memory of device `id`.

@@ -34,6 +34,9 @@ struct Problem {
   sparge_device_type_t device = SPARGE_DEVICE_CPU;
   int device_id = 0;
   sparge_precision_t precision = SPARGE_PRECISION_INT8_FP8;
+  // The caller asked for SPARGE_PRECISION_AUTO: `precision` holds the choice
+  // of auto_precision (the device's family may still turn it to FP16).
+  bool precision_is_auto = false;
   bool causal = false;
   float scale = 0.f;      // resolved (never 0)
   int BQ = 128, BK = 64;  // resolved mask block sizes
@@ -48,6 +51,20 @@ struct Problem {
   }
   SPARGE_HD bool split_v() const { return precision == SPARGE_PRECISION_INT8_FP8_SPLIT_V; }
 };
+
+// SPARGE_PRECISION_AUTO (docs/SEMANTICS.md, "Precision AUTO"). The int8
+// path pays preparation passes over Q (Lq rows) and over K and V (2 Lkv rows)
+// against a faster main loop over Lq x Lkv: its gain grows with
+// Lq Lkv / (Lq + 2 Lkv), which times 3 is N when Lq == Lkv == N. The
+// thresholds are the crossovers measured on the H200 (docs/BENCHMARKS.md):
+// below them FP16 is faster, dense and predicted, and more accurate.
+// `int8_family`: the device runs the sm_90a int8 kernels (CPU plans: true).
+inline int64_t auto_precision_threshold(int64_t head_dim) { return head_dim <= 64 ? 32768 : 16384; }
+inline sparge_precision_t auto_precision(int64_t Lq, int64_t Lkv, int64_t head_dim, bool int8_family) {
+  if (!int8_family || head_dim > 128) return SPARGE_PRECISION_FP16;
+  const double n_eff = 3.0 * double(Lq) * double(Lkv) / (double(Lq) + 2.0 * double(Lkv));
+  return n_eff >= double(auto_precision_threshold(head_dim)) ? SPARGE_PRECISION_INT8_FP8 : SPARGE_PRECISION_FP16;
+}
 
 // A validated 4-D view [B, H, L, D] (strides in elements, stride[3] == 1).
 struct Tensor4 {

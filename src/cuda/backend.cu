@@ -228,7 +228,7 @@ bool call_known(const Plan& plan, const AttnCallKey& key) {
 
 bool pdl_enabled() { return dev_switches().pdl; }
 
-sparge_status_t check_device(const Problem& p, int* sm_version, const void** kernel) {
+sparge_status_t check_device(Problem& p, int* sm_version, const void** kernel) {
   if (sm_version) *sm_version = 0;
   if (kernel) *kernel = nullptr;
   int n = 0;
@@ -246,6 +246,10 @@ sparge_status_t check_device(const Problem& p, int* sm_version, const void** ker
   SPARGE_CUDA_TRY(cudaGetDeviceProperties(&prop, p.device_id));
   const int sm = prop.major * 10 + prop.minor;
   if (sm_version) *sm_version = sm;
+  if (p.precision_is_auto) {
+    Family fam;
+    p.precision = auto_precision(p.Lq, p.Lkv, p.D, family_for_device(sm, &fam) && fam == Family::kSm90);
+  }
   if (!p.quantized() && p.precision != SPARGE_PRECISION_FP16)
     return fail(SPARGE_ERR_UNSUPPORTED,
                 "precision %d: the CUDA backend runs INT8_FP8, INT8_FP8_SPLIT_V, INT8_FP16 and FP16 only",

@@ -135,9 +135,12 @@ TEST_CASE("create_plan rejects bad problems", "[cpu][validation]") {
       p.device_id = id;
       check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "device_id");
     }
-    p = good;
-    p.precision = sparge_precision_t(9);
-    check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "precision");
+    for (int bad : {9, 6, -1}) {  // 5 is AUTO, the last valid value
+      p = good;
+      p.precision = sparge_precision_t(bad);
+      check_create_fails(p, SPARGE_ERR_INVALID_ARGUMENT, "precision");
+      CHECK(last_error().find("AUTO (5)") != std::string::npos);
+    }
   }
   SECTION("head_dim range on CPU") {
     sparge_problem_t p = good;
@@ -615,6 +618,67 @@ TEST_CASE("sparge_plan_kernel_info: what a CPU plan runs, and its argument check
   CHECK(std::string(sparge_last_error()).rfind("info", 0) == 0);
   CHECK(sparge_plan_kernel_info(nullptr, &ki) == SPARGE_ERR_INVALID_ARGUMENT);
   sparge_destroy_plan(plan);
+}
+
+TEST_CASE("precision AUTO: the default, resolved at plan creation by the effective length", "[cpu][api]") {
+  {
+    const sparge_problem_t init = SPARGE_PROBLEM_INIT;
+    CHECK(init.precision == SPARGE_PRECISION_AUTO);
+  }
+  // CPU plans follow the compute capability 9.0 rule: INT8_FP8 for
+  // head_dim <= 128 once 3 Lq Lkv / (Lq + 2 Lkv) reaches 16384 (65..128) or
+  // 32768 (<= 64); FP16 otherwise.
+  const struct {
+    int64_t Lq, Lkv, D;
+    sparge_precision_t want;
+  } cases[] = {
+      {1024, 1024, 128, SPARGE_PRECISION_FP16},        {8192, 8192, 128, SPARGE_PRECISION_FP16},
+      {16383, 16383, 128, SPARGE_PRECISION_FP16},      {16384, 16384, 128, SPARGE_PRECISION_INT8_FP8},
+      {16384, 16384, 96, SPARGE_PRECISION_INT8_FP8},   {16384, 16384, 64, SPARGE_PRECISION_FP16},
+      {32768, 32768, 64, SPARGE_PRECISION_INT8_FP8},   {65536, 65536, 256, SPARGE_PRECISION_FP16},
+      {32768, 16384, 128, SPARGE_PRECISION_INT8_FP8},  // 3 Lq Lkv / (Lq + 2 Lkv) = 24576
+      {32768, 16384, 64, SPARGE_PRECISION_FP16},       // 24576 < 32768
+      {16384, 32768, 128, SPARGE_PRECISION_INT8_FP8},  // 19661
+      {1, 1 << 20, 128, SPARGE_PRECISION_FP16},        // one query row: 1.5
+      {1 << 20, 64, 128, SPARGE_PRECISION_FP16},       // 192
+  };
+  for (const auto& c : cases) {
+    for (int causal : {0, 1}) {
+      INFO("Lq " << c.Lq << " Lkv " << c.Lkv << " D " << c.D << " causal " << causal);
+      sparge_problem_t p = cpu_problem(1, 2, 1, c.Lq, c.Lkv, c.D, SPARGE_DTYPE_BFLOAT16, SPARGE_PRECISION_AUTO,
+                                       causal != 0);
+      Plan plan(p);
+      sparge_problem_t got = SPARGE_PROBLEM_INIT;
+      REQUIRE(sparge_plan_get_problem(plan.p, &got) == SPARGE_OK);
+      CHECK(got.precision == c.want);
+      // The plan is the explicit plan of its choice: same workspace, same step.
+      p.precision = c.want;
+      Plan twin(p);
+      CHECK(plan.workspace_size() == twin.workspace_size());
+      sparge_kernel_info_t a, b;
+      a.struct_size = b.struct_size = sizeof a;
+      REQUIRE(sparge_plan_kernel_info(plan.p, &a) == SPARGE_OK);
+      REQUIRE(sparge_plan_kernel_info(twin.p, &b) == SPARGE_OK);
+      CHECK(a.keys_per_step == b.keys_per_step);
+    }
+  }
+  // Outputs: an AUTO plan computes exactly what its resolved precision does.
+  std::mt19937_64 rng(fresh_seed());
+  const sparge_problem_t pa = cpu_problem(1, 2, 1, 200, 300, 64, SPARGE_DTYPE_BFLOAT16, SPARGE_PRECISION_AUTO, true);
+  sparge_problem_t pf = pa;
+  pf.precision = SPARGE_PRECISION_FP16;
+  Plan auto_plan(pa), fp16_plan(pf);
+  HostTensor q = make_bhld(pa.dtype, 1, 2, 200, 64, Layout::HND), k = make_bhld(pa.dtype, 1, 1, 300, 64, Layout::HND),
+             v = make_bhld(pa.dtype, 1, 1, 300, 64, Layout::HND);
+  fill_random(q, rng);
+  fill_random(k, rng);
+  fill_random(v, rng);
+  HostTensor o1 = make_bhld(pa.dtype, 1, 2, 200, 64, Layout::HND), o2 = make_bhld(pa.dtype, 1, 2, 200, 64, Layout::HND);
+  o1.fill_nan();
+  o2.fill_nan();
+  REQUIRE(run_attention(auto_plan, q, k, v, nullptr, nullptr, o1, nullptr) == SPARGE_OK);
+  REQUIRE(run_attention(fp16_plan, q, k, v, nullptr, nullptr, o2, nullptr) == SPARGE_OK);
+  CHECK(o1.snapshot() == o2.snapshot());
 }
 
 TEST_CASE("inputs may share memory with each other", "[cpu][validation]") {

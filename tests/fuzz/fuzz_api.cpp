@@ -209,7 +209,7 @@ Expect expect_plan(const sparge_problem_t& p, Resolved* res) {
   if (!gpu && p.device_id != 0) return F(INV, "device_id");
   if (dt < 0 || dt > 2) return F(INV, "dtype");
   if (gpu && dt == SPARGE_DTYPE_FLOAT32) return F(UNS, "dtype");
-  if (prec < 0 || prec > 4) return F(INV, "precision");
+  if (prec < 0 || prec > 5) return F(INV, "precision");
   if (gpu && prec == SPARGE_PRECISION_EXACT) return F(UNS, "precision");
   const bool gpu_dim = p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == 256;
   if (gpu ? !gpu_dim : p.head_dim > 256) return F(UNS, "head_dim");
@@ -261,7 +261,7 @@ sparge_problem_t gen_problem(Source& s) {
   p.len_kv = s.range(1, bigger ? 200 : 40);
   p.head_dim = s.chance(70) ? s.range(1, 12) : s.pick({16, 32, 64, 96, 128, 256});
   set_enum(p.dtype, int32_t(s.below(3)));
-  set_enum(p.precision, int32_t(s.below(5)));
+  set_enum(p.precision, int32_t(s.below(6)));
   p.causal = s.chance(50) ? int32_t(s.range(1, 3)) : 0;
   p.scale = s.chance(60) ? 0.0f : s.pick({-0.0f, 1e-30f, 0.05f, 0.5f, 1.0f, 3.0f});
   p.block_q = s.chance(40) ? 0 : int32_t(s.pick({1, 2, 3, 7, 16, 33, 64, 128, 1024}));
@@ -281,7 +281,7 @@ sparge_problem_t gen_problem(Source& s) {
       case 3: set_enum(p.device_type, s.pick({1, 2, 77, -1})); break;
       case 4: p.device_id = s.pick({-1, -100, 1, 7}); break;  // a CPU plan refuses any id but 0
       case 5: set_enum(p.dtype, s.pick({3, 4, 5, 77, -1})); break;
-      case 6: set_enum(p.precision, s.pick({5, -1, 99})); break;
+      case 6: set_enum(p.precision, s.pick({6, -1, 99})); break;
       case 7: p.head_dim = s.pick({int64_t(257), int64_t(1) << 20, I64MAX}); break;
       case 8:
         p.scale = s.pick({std::nanf(""), INFINITY, -INFINITY, -1.0f, -1e-30f, 3.0e38f, 1e20f});

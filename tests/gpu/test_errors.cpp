@@ -352,3 +352,58 @@ TEST_CASE("CUDA plan: the chosen kernel is reported", "[gpu][errors][registry][s
     }
   }
 }
+
+// SPARGE_PRECISION_AUTO: INT8_FP8 where the device runs the sm_90a int8
+// kernels and the effective length reaches the threshold of the head dim;
+// FP16 everywhere else (the portable family included). The AUTO plan is the
+// explicit plan of its choice: same kernel, same workspace.
+TEST_CASE("CUDA plan: precision AUTO resolves for the device's kernel family", "[gpu][errors][registry][sanitize]") {
+  auto problem = [](int64_t L, int64_t D, sparge_precision_t prec) {
+    sparge_problem_t pr = SPARGE_PROBLEM_INIT;
+    pr.batch = 1, pr.heads_q = 2, pr.heads_kv = 1, pr.len_q = L, pr.len_kv = L, pr.head_dim = D;
+    pr.device_type = SPARGE_DEVICE_CUDA, pr.precision = prec;
+    return pr;
+  };
+  auto facts = [](const sparge_problem_t& pr, sparge_problem_t* got, sparge_kernel_info_t* ki, size_t* wsb) {
+    sparge_plan_t plan = nullptr;
+    REQUIRE(sparge_create_plan(&pr, &plan) == SPARGE_OK);
+    *got = SPARGE_PROBLEM_INIT;
+    REQUIRE(sparge_plan_get_problem(plan, got) == SPARGE_OK);
+    std::memset(ki, 0, sizeof *ki);
+    ki->struct_size = sizeof *ki;
+    REQUIRE(sparge_plan_kernel_info(plan, ki) == SPARGE_OK);
+    REQUIRE(sparge_plan_workspace_size(plan, wsb) == SPARGE_OK);
+    sparge_destroy_plan(plan);
+  };
+  // Which family runs INT8_FP8 here (sm90, or portable when forced or built so).
+  sparge_problem_t got;
+  sparge_kernel_info_t ki;
+  size_t wsb = 0;
+  facts(problem(300, 128, SPARGE_PRECISION_INT8_FP8), &got, &ki, &wsb);
+  const bool int8_family = std::string(ki.family) == "sm90";
+  INFO("int8 family: " << ki.family);
+  const struct {
+    int64_t L, D;
+    bool int8_if_sm90;
+  } cases[] = {{300, 128, false},  {8192, 128, false}, {16384, 128, true}, {16384, 96, true},
+               {16384, 64, false}, {32768, 64, true}};
+  for (const auto& c : cases) {
+    for (int causal : {0, 1}) {
+      INFO("L " << c.L << " D " << c.D << " causal " << causal);
+      sparge_problem_t pr = problem(c.L, c.D, SPARGE_PRECISION_AUTO);
+      pr.causal = causal;
+      const sparge_precision_t want =
+          c.int8_if_sm90 && int8_family ? SPARGE_PRECISION_INT8_FP8 : SPARGE_PRECISION_FP16;
+      sparge_problem_t got_auto, got_twin;
+      sparge_kernel_info_t ki_auto, ki_twin;
+      size_t ws_auto = 0, ws_twin = 0;
+      facts(pr, &got_auto, &ki_auto, &ws_auto);
+      CHECK(got_auto.precision == want);
+      pr.precision = want;
+      facts(pr, &got_twin, &ki_twin, &ws_twin);
+      CHECK(std::string(ki_auto.name) == ki_twin.name);
+      CHECK(std::string(ki_auto.family) == ki_twin.family);
+      CHECK(ws_auto == ws_twin);
+    }
+  }
+}

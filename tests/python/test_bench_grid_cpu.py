@@ -204,6 +204,18 @@ class _FakeSparge:
     def clear_caches(self):
         pass
 
+    class Plan:
+        """The plan of a shape: its resolved precision."""
+
+        def __init__(self, *shape, precision="auto", **kw):
+            self.precision = "fp16" if precision == "auto" else precision
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
 
 def _args(**kw):
     a = G.parse_args(["--sparse", "--sparse-min-n", "256", "--pred", "--check-rows", "16"])
@@ -249,6 +261,7 @@ def test_one_shape_on_the_cpu(broken, tmp_path):
     got = list(csv.DictReader(open(path)))
     assert [x["kind"] for x in got] == ["dense", "sparse", "sparse", "sparse", "pred", "dense"]
     assert got[-1]["status"] == "skipped"
+    assert r.precision == "fp16" and got[0]["precision"] == "fp16" and "| yes | fp16 |" in md
     assert got[0]["x_cudnn"] == "" and ("cuDNN" in got[0]["note"])
     assert (got[0]["sparge_tflops"] == "") == broken and (got[0]["x_fa2"] == "") == broken
     line, fails, sp_err = G.summary_line([r, skipped], 1.0)

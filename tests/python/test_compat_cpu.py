@@ -40,7 +40,8 @@ def test_topk_names(rng, layout, causal):
 def test_cdf_names_defaults(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
     out = sparge.spas_sage2_attn_meansim_cuda(q, k, v)
-    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.98, sim_threshold=0.6, estimator="mean")
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.98, sim_threshold=0.6, estimator="mean",
+                            precision="int8_fp8")
     np.testing.assert_array_equal(out, same)
     out = sparge.spas_sage_attn_meansim_cuda(q, k, v, cdfthreshd=0.5, simthreshd1=0.1, is_causal=True)
     same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.5, sim_threshold=0.1, is_causal=True,
@@ -51,7 +52,7 @@ def test_cdf_names_defaults(rng):
 def test_topk_none_means_cdf(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
     out = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, topk=None, cdfthreshd=0.7)
-    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.7, estimator="mean")
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.7, estimator="mean", precision="int8_fp8")
     np.testing.assert_array_equal(out, same)
 
 
@@ -121,7 +122,7 @@ def test_positional_like_sdpa(rng):
     """The original signature: (q, k, v, attn_mask, dropout_p, is_causal, scale, ...)."""
     q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=128, Lkv=128, D=32, dtype=np.float16)
     a = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, None, 0.0, True, 0.1)
-    b = sparge.attention(q, k, v, is_causal=True, scale=0.1)
+    b = sparge.attention(q, k, v, is_causal=True, scale=0.1, precision="int8_fp8")
     np.testing.assert_array_equal(a, b)
 
 

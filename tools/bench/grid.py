@@ -3,8 +3,9 @@
 
 One run compares, per shape, as a user calls them:
 
-  libsparge      sparge.attention(q, k, v, mask=ones, is_causal=...), precision int8_fp8 (--precision): an
-                 all-ones block mask [B, H, ceil(N/128), ceil(N/64)], i.e. every visible block kept (dense)
+  libsparge      sparge.attention(q, k, v, mask=ones, is_causal=...), precision auto (--precision; the
+                 precision the plan resolved to is reported per shape): an all-ones block mask
+                 [B, H, ceil(N/128), ceil(N/64)], i.e. every visible block kept (dense)
   empty mask     the same call on an all-zeros mask: the fixed cost of a call (no attention work)
   cuDNN          F.scaled_dot_product_attention in bf16 under sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
   FA2            the same under sdpa_kernel(SDPBackend.FLASH_ATTENTION) (FlashAttention-2)
@@ -401,6 +402,7 @@ class ShapeResult:
     status: str = "ok"       # ok, skipped, error, interrupted
     reason: str = ""
     sets: int = 0
+    precision: str = ""      # the precision libsparge's plan runs (the choice of "auto")
     seconds: float = 0.0
     meas: Dict[str, Meas] = field(default_factory=dict)
 
@@ -548,6 +550,12 @@ def run_shape(env: "Env", sh: Shape, args: argparse.Namespace, o: TimingOpts) ->
         return res
 
     causal, prec = sh.causal, args.precision
+    try:
+        with sparge.Plan(sh.B, sh.H, sh.N, sh.D, dtype="bfloat16", device=dev, precision=prec,
+                         is_causal=causal) as plan:
+            res.precision = plan.precision
+    except Exception as e:  # noqa: BLE001  (the calls below report it too)
+        res.precision = "error: " + short(e, 60)
     rows = sample_rows(sh.N, args.check_rows, args.seed + sh.N)
     bsel = sorted({0, sh.B - 1})
 
@@ -738,7 +746,7 @@ def ratio(num: Optional[Meas], den: Optional[Meas]) -> float:
     return num.ms / den.ms
 
 
-CSV_FIELDS = ["kind", "B", "H", "N", "D", "causal", "density", "sparge_ms", "empty_ms", "cudnn_ms", "fa2_ms",
+CSV_FIELDS = ["kind", "B", "H", "N", "D", "causal", "precision", "density", "sparge_ms", "empty_ms", "cudnn_ms", "fa2_ms",
               "x_cudnn", "x_fa2", "x_own_dense", "target", "sparge_tflops", "cudnn_tflops", "fa2_tflops",
               "sparge_spread", "cudnn_spread", "fa2_spread", "calls", "input_sets", "check", "status", "note",
               "gpu", "commit"]
@@ -748,8 +756,8 @@ def csv_rows(results: List[ShapeResult], gpu: str, commit: str) -> List[Dict[str
     out = []
     for r in results:
         sh = r.shape
-        base = {"B": sh.B, "H": sh.H, "N": sh.N, "D": sh.D, "causal": int(sh.causal), "gpu": gpu, "commit": commit,
-                "input_sets": r.sets or ""}
+        base = {"B": sh.B, "H": sh.H, "N": sh.N, "D": sh.D, "causal": int(sh.causal), "precision": r.precision,
+                "gpu": gpu, "commit": commit, "input_sets": r.sets or ""}
         if r.status in ("skipped", "interrupted") or (r.status == "error" and not r.meas):
             out.append(dict(base, kind="dense", status=r.status, note=r.reason))
             continue
@@ -811,21 +819,21 @@ def md_report(results: List[ShapeResult], header: str, footer: List[str]) -> str
             return "%s FAIL [%d]" % (val, note("%s: check %s" % (m.label, m.check or "not run")))
         return val
 
-    lines.append("| B | H | N | D | causal | libsparge ms | cuDNN ms | FA2 ms | x cuDNN | x FA2 | libsparge TFLOPS "
-                 "| cuDNN TFLOPS | FA2 TFLOPS | empty-mask ms | min cos |")
-    lines.append("|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("| B | H | N | D | causal | precision | libsparge ms | cuDNN ms | FA2 ms | x cuDNN | x FA2 "
+                 "| libsparge TFLOPS | cuDNN TFLOPS | FA2 TFLOPS | empty-mask ms | min cos |")
+    lines.append("|---:|---:|---:|---:|:---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     sparse_rows, pred_rows = [], []
     for r in results:
         sh = r.shape
         lbl = "B=%d H=%d N=%d D=%d %s" % (sh.B, sh.H, sh.N, sh.D, "causal" if sh.causal else "non-causal")
         head = "| %d | %d | %d | %d | %s |" % (sh.B, sh.H, sh.N, sh.D, "yes" if sh.causal else "no")
         if r.status in ("skipped", "interrupted") or not r.meas:
-            lines.append("%s %s: %s | | | | | | | | | |" % (head, r.status, r.reason))
+            lines.append("%s - | %s: %s | | | | | | | | | |" % (head, r.status, r.reason))
             continue
         s, e, c, fa = (r.get(k) for k in ("sparge", "empty", "cudnn", "fa2"))
         cos = [m.cos for m in (s, c, fa) if m is not None and not math.isnan(m.cos)]
-        lines.append("%s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-            head, cell(s, f3(s.ms)), cell(c, f3(c.ms)) if c else "-", cell(fa, f3(fa.ms)) if fa else "-",
+        lines.append("%s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            head, r.precision or "-", cell(s, f3(s.ms)), cell(c, f3(c.ms)) if c else "-", cell(fa, f3(fa.ms)) if fa else "-",
             f3(ratio(c, s)) or "-", f3(ratio(fa, s)) or "-",
             "%.0f" % tflops(sh, s.ms) if s.ok else "-", "%.0f" % tflops(sh, c.ms) if c and c.ok else "-",
             "%.0f" % tflops(sh, fa.ms) if fa and fa.ok else "-", cell(e, f3(e.ms)),
@@ -889,7 +897,8 @@ def make_parser() -> argparse.ArgumentParser:
                     help="heads per head dim, D:H,... or one H for every D (default %s)" % DEFAULT_HEADS)
     ap.add_argument("--max-tokens", type=int, default=262144,
                     help="skip shapes with B*N above this (default 262144; 0 = no cap)")
-    ap.add_argument("--precision", default="int8_fp8", help="libsparge precision (default int8_fp8)")
+    ap.add_argument("--precision", default="auto", help="libsparge precision (default auto: the library's choice "
+                    "per shape, reported in the tables)")
     ap.add_argument("--sparse", action="store_true", help="add random block masks at N >= --sparse-min-n")
     ap.add_argument("--densities", default="0.5,0.2,0.1", help="densities of --sparse (default 0.5,0.2,0.1)")
     ap.add_argument("--sparse-min-n", type=int, default=8192, help="smallest N of --sparse (default 8192)")

@@ -280,7 +280,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
               scale: Optional[float] = None, layout: str = "HND", mask: Optional[ArrayLike] = None,
               mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
               smooth_k: bool = True, attention_sink: Optional[bool] = None,
-              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "int8_fp8",
+              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "auto",
               block_size: Tuple[int, int] = (128, 64), return_sparsity: bool = False,
               return_lse: bool = False, stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Block-sparse attention with a predicted (or given) block mask.
@@ -313,7 +313,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         estimator: block importance: "keys_lse" (default: mean-pooled Q against every key, log-sum-exp
             per key block; closest to the oracle mask, docs/ACCURACY.md) or "mean" (mean-pooled Q and K,
             the original SpargeAttn rule).
-        precision: ``"int8_fp8"`` (fast GPU default; on CPU the exact quantization twin, slow),
+        precision: ``"auto"`` (default: ``"int8_fp8"`` on compute capability 9.0 when head_dim <= 128
+            and the sequence is long enough for its preparation passes to pay off, an effective length
+            3 Lq Lkv / (Lq + 2 Lkv) >= 16384 (>= 32768 at head_dim <= 64); ``"fp16"`` otherwise;
+            CPU plans follow the compute capability 9.0 rule),
+            ``"int8_fp8"`` (on CPU the exact quantization twin, slow),
             ``"int8_fp8_split_v"`` (int8_fp8 with V carried as two e4m3 terms, hi + lo: V's
             rounding error nearly vanishes, output relative L1 ~0.028 instead of ~0.038 on random
             normal inputs, for one more fp8 P.V product per key tile),
@@ -418,7 +422,7 @@ def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: 
                  scale: Optional[float] = None, layout: str = "HND", mode: str = "topk",
                  cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
                  smooth_k: bool = True, attention_sink: Optional[bool] = None,
-              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "int8_fp8",
+              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "auto",
                  block_size: Tuple[int, int] = (128, 64), return_kept: bool = False,
                  stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Predicts the block mask that :func:`attention` would use.
@@ -472,7 +476,7 @@ def _predict(q: ArrayLike, k: ArrayLike, r: _Resolved, return_kept: bool, stream
 
 def block_sparse_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike, *,
                            is_causal: bool = False, scale: Optional[float] = None, layout: str = "HND",
-                           precision: str = "int8_fp8", block_size: Tuple[int, int] = (128, 64),
+                           precision: str = "auto", block_size: Tuple[int, int] = (128, 64),
                            return_sparsity: bool = False, return_lse: bool = False,
                            stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Attention restricted to the blocks of a given mask (no prediction).

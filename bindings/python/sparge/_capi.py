@@ -87,6 +87,7 @@ PRECISION_FP16 = 1
 PRECISION_EXACT = 2
 PRECISION_INT8_FP8_SPLIT_V = 3
 PRECISION_INT8_FP16 = 4
+PRECISION_AUTO = 5
 
 SELECT_TOPK = 0
 SELECT_CDF = 1
@@ -212,7 +213,7 @@ class SpargeProblem(ctypes.Structure):
         defaults = dict(
             batch=1, heads_q=1, heads_kv=1, len_q=0, len_kv=0, head_dim=128,
             dtype=DTYPE_BFLOAT16, device_type=DEVICE_CPU, device_id=0,
-            precision=PRECISION_INT8_FP8, causal=0, scale=0.0, block_q=0, block_k=0,
+            precision=PRECISION_AUTO, causal=0, scale=0.0, block_q=0, block_k=0,
         )
         defaults.update(kw)
         super().__init__(struct_size=ctypes.sizeof(SpargeProblem), **defaults)

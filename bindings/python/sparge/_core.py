@@ -21,7 +21,7 @@ from ._arrays import View, as_view, dtype_name
 
 LAYOUTS = {"HND": 0, "NHD": 1}
 MODES = {"topk": C.SELECT_TOPK, "cdf": C.SELECT_CDF}
-PRECISIONS = {"int8_fp8": C.PRECISION_INT8_FP8, "fp16": C.PRECISION_FP16, "exact": C.PRECISION_EXACT,
+PRECISIONS = {"auto": C.PRECISION_AUTO, "int8_fp8": C.PRECISION_INT8_FP8, "fp16": C.PRECISION_FP16, "exact": C.PRECISION_EXACT,
               "int8_fp8_split_v": C.PRECISION_INT8_FP8_SPLIT_V, "int8_fp16": C.PRECISION_INT8_FP16}
 
 # logical [B, H, L, D] dim i is dim PERM[layout][i] of the user's tensor
@@ -85,9 +85,17 @@ def parse_mode(mode: str) -> int:
     return MODES[mode]
 
 
+def precision_name(code: int) -> str:
+    for name, c in PRECISIONS.items():
+        if c == code:
+            return name
+    return "?"
+
+
 def parse_precision(precision: str) -> int:
     if precision not in PRECISIONS:
-        raise _arg_error("precision must be 'int8_fp8', 'int8_fp8_split_v', 'int8_fp16', 'fp16' or 'exact', got %r"
+        raise _arg_error("precision must be 'auto', 'int8_fp8', 'int8_fp8_split_v', 'int8_fp16', 'fp16' or 'exact', "
+                         "got %r"
                          % (precision,))
     return PRECISIONS[precision]
 
@@ -237,6 +245,7 @@ class Plan:
         self.scale = float(resolved.scale)
         self.block_q = int(resolved.block_q)
         self.block_k = int(resolved.block_k)
+        self.precision = int(resolved.precision)  # the choice of "auto"
         vis = ctypes.c_int64()
         C.check(C.lib.sparge_plan_visible_blocks(self.handle, ctypes.byref(vis)), "sparge_plan_visible_blocks")
         self.visible_per_head: int = vis.value

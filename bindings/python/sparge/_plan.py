@@ -60,7 +60,7 @@ class Plan:
 
     def __init__(self, batch: int, heads_q: int, len_q: int, head_dim: int, *, heads_kv: Optional[int] = None,
                  len_kv: Optional[int] = None, dtype: Any = "bfloat16", device: Any = "cuda",
-                 precision: str = "int8_fp8", is_causal: bool = False, scale: Optional[float] = None,
+                 precision: str = "auto", is_causal: bool = False, scale: Optional[float] = None,
                  block_size: Tuple[int, int] = (128, 64)) -> None:
         self._precision_name = precision
         self._scale_arg = scale
@@ -76,7 +76,7 @@ class Plan:
         self.device = "cpu" if dev_type == C.DEVICE_CPU else "cuda:%d" % dev_id
 
     @classmethod
-    def for_inputs(cls, q: Any, k: Any, *, layout: str = "HND", precision: str = "int8_fp8",
+    def for_inputs(cls, q: Any, k: Any, *, layout: str = "HND", precision: str = "auto",
                    is_causal: bool = False, scale: Optional[float] = None,
                    block_size: Tuple[int, int] = (128, 64)) -> "Plan":
         """The plan for tensors shaped like ``q`` and ``k`` (their dtype and device)."""
@@ -103,6 +103,11 @@ class Plan:
     def block_size(self) -> Tuple[int, int]:
         p = self._p()
         return p.block_q, p.block_k
+
+    @property
+    def precision(self) -> str:
+        """The precision the plan runs: the one asked for, or the choice of ``"auto"``."""
+        return core.precision_name(self._p().precision)
 
     @property
     def scale(self) -> float:
@@ -162,9 +167,9 @@ class Plan:
         if self._plan is None:
             return "sparge.Plan(closed)"
         B, Hq, Hkv, Lq, Lkv, D = self._plan.key[:6]
-        return ("sparge.Plan(B=%d, Hq=%d, Hkv=%d, Lq=%d, Lkv=%d, D=%d, %s, %s, causal=%s, workspace_size=%d)"
-                % (B, Hq, Hkv, Lq, Lkv, D, core.dtype_name(self._plan.key[6]), self.device, self.is_causal,
-                   self.workspace_size))
+        return ("sparge.Plan(B=%d, Hq=%d, Hkv=%d, Lq=%d, Lkv=%d, D=%d, %s, %s, %s, causal=%s, workspace_size=%d)"
+                % (B, Hq, Hkv, Lq, Lkv, D, core.dtype_name(self._plan.key[6]), self.device, self.precision,
+                   self.is_causal, self.workspace_size))
 
     # ------------------------------------------------------------ calls
     def _resolve(self, topk: PerHead, layout: str, mode: str, cdf_threshold: Any, sim_threshold: Any,

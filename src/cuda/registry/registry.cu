@@ -41,6 +41,7 @@ const char* precision_name(sparge_precision_t p) {
     case SPARGE_PRECISION_EXACT: return "EXACT";
     case SPARGE_PRECISION_INT8_FP8_SPLIT_V: return "INT8_FP8_SPLIT_V";
     case SPARGE_PRECISION_INT8_FP16: return "INT8_FP16";
+    case SPARGE_PRECISION_AUTO: return "AUTO";
   }
   return "?";
 }

@@ -44,6 +44,7 @@ pub const SPARGE_PRECISION_FP16: sparge_precision_t = 1;
 pub const SPARGE_PRECISION_EXACT: sparge_precision_t = 2;
 pub const SPARGE_PRECISION_INT8_FP8_SPLIT_V: sparge_precision_t = 3;
 pub const SPARGE_PRECISION_INT8_FP16: sparge_precision_t = 4;
+pub const SPARGE_PRECISION_AUTO: sparge_precision_t = 5;
 
 pub type sparge_select_mode_t = c_int;
 pub const SPARGE_SELECT_TOPK: sparge_select_mode_t = 0;
@@ -134,7 +135,7 @@ impl Default for sparge_problem_t {
             dtype: SPARGE_DTYPE_BFLOAT16,
             device_type: SPARGE_DEVICE_CPU,
             device_id: 0,
-            precision: SPARGE_PRECISION_INT8_FP8,
+            precision: SPARGE_PRECISION_AUTO,
             causal: 0,
             scale: 0.0,
             block_q: 0,

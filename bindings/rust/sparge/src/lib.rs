@@ -204,7 +204,12 @@ impl Device {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Precision {
-    /// Q, K int8; P, V fp8 e4m3; fp32 accumulation (the fast default).
+    /// The plan picks `Int8Fp8` or `Fp16` (the default): `Int8Fp8` on compute capability 9.0 for
+    /// head_dim <= 128 when the effective length 3 Lq Lkv / (Lq + 2 Lkv) reaches 16384 (32768 at
+    /// head_dim <= 64), `Fp16` otherwise; CPU plans follow the compute capability 9.0 rule.
+    /// `Plan::problem` reports the choice.
+    Auto,
+    /// Q, K int8; P, V fp8 e4m3; fp32 accumulation (the fastest at long sequences on sm_90).
     Int8Fp8,
     /// 16-bit inputs on tensor cores, fp32 accumulation.
     Fp16,
@@ -228,6 +233,7 @@ impl Precision {
             Precision::Exact => sys::SPARGE_PRECISION_EXACT,
             Precision::Int8Fp8SplitV => sys::SPARGE_PRECISION_INT8_FP8_SPLIT_V,
             Precision::Int8Fp16 => sys::SPARGE_PRECISION_INT8_FP16,
+            Precision::Auto => sys::SPARGE_PRECISION_AUTO,
         }
     }
     fn from_raw(raw: sys::sparge_precision_t) -> Option<Precision> {
@@ -237,6 +243,7 @@ impl Precision {
             sys::SPARGE_PRECISION_EXACT => Precision::Exact,
             sys::SPARGE_PRECISION_INT8_FP8_SPLIT_V => Precision::Int8Fp8SplitV,
             sys::SPARGE_PRECISION_INT8_FP16 => Precision::Int8Fp16,
+            sys::SPARGE_PRECISION_AUTO => Precision::Auto,
             _ => return None,
         })
     }
@@ -296,7 +303,7 @@ impl Problem {
             head_dim,
             dtype: DType::BF16,
             device: Device::Cpu,
-            precision: Precision::Int8Fp8,
+            precision: Precision::Auto,
             causal: false,
             scale: 0.0,
             block_q: 0,
