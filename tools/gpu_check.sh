@@ -20,7 +20,7 @@
 #   bench     sparge_bench (all workloads) and tools/bench/anchors.py (torch SDPA
 #             cuDNN / FLASH_ATTENTION, ceilings, accuracy vs float32 SDPA, side by side)
 #   grid      tools/bench/grid.py: the benchmark grid (B x N x D x causal) through the Python API,
-#             libsparge int8_fp8 dense and empty mask against torch SDPA cuDNN and FA2 (grid.csv, grid.md)
+#             libsparge (default precision auto) dense and empty mask against torch SDPA cuDNN and FA2 (grid.csv, grid.md)
 #   ncusrc    Nsight Compute full set on the same kernel: pipe utilization, stall reasons,
 #             and a per-SASS-instruction CSV (sass_source.csv)
 #   ab        A/B against another source tree (AB_BASE): builds it into build-ab/, then

@@ -170,7 +170,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
     ap.add_argument("--masks", default="empty,dense,predicted", help="comma-separated: empty, dense, predicted")
-    ap.add_argument("--precision", default="int8_fp8", help="int8_fp8 (the default), int8_fp16, fp16, ...")
+    ap.add_argument("--precision", default="int8_fp8", help="int8_fp8 (this script's default; the library's is auto), int8_fp16, fp16, ...")
     ap.add_argument("--calls", type=int, default=200, help="calls per batch with an empty mask (others: 16)")
     ap.add_argument("--repeats", type=int, default=7, help="batches; the median is printed")
     ap.add_argument("--warmup", type=int, default=20)

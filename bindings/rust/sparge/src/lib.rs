@@ -697,7 +697,7 @@ impl Plan {
         Ok(plan)
     }
 
-    /// The problem with defaults resolved (scale, block sizes).
+    /// The problem with defaults resolved (scale, block sizes, the choice of `Precision::Auto`).
     pub fn problem(&self) -> &Problem {
         &self.problem
     }

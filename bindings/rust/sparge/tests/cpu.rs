@@ -382,3 +382,18 @@ fn merge_states_rejects_bad_arguments() {
     let e = sparge::merge_states(&[&o], &[&l[..5]], [1, 2, 3, 4], &mut out, None).unwrap_err();
     assert!(e.message().contains("lses[0]"), "{}", e.message());
 }
+
+#[test]
+fn auto_precision_is_the_default_and_resolves_by_length() {
+    assert_eq!(Problem::new(1, 2, 1, 64, 64, 64).precision, Precision::Auto);
+    for (len, d, want) in [
+        (1024, 128, Precision::Fp16),
+        (16384, 128, Precision::Int8Fp8),
+        (16384, 64, Precision::Fp16),
+        (32768, 64, Precision::Int8Fp8),
+        (32768, 256, Precision::Fp16),
+    ] {
+        let plan = Plan::new(&Problem::new(1, 2, 1, len, len, d)).unwrap();
+        assert_eq!(plan.problem().precision, want, "L {len} D {d}");
+    }
+}
