@@ -243,6 +243,7 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   if (p.B * p.Hkv * ceil_div(ka.rows, 64) * key_ctas > int64_t(0x7fffffff))
     return fail(SPARGE_ERR_UNSUPPORTED, "key score grid too large");
   ka.key_ctas = uint32_t(key_ctas);
+  ka.tiles = kTiles;
   const int64_t row_ctas = ceil_div(ka.rows, kRows);
   const int64_t n = p.B * p.Hkv * row_ctas * key_ctas;
   ka.row_ctas = uint32_t(row_ctas);

@@ -21,7 +21,7 @@ namespace ks {
 
 constexpr int kRows = 128;  // pooled rows per CTA
 constexpr int kKeys = 64;   // keys per tile (one key block)
-constexpr int kTiles = 32;  // key tiles per CTA (2048 keys)
+constexpr int kTiles = 32;  // key tiles per CTA (2048 keys; the wgmma kernel may take fewer: Args::tiles)
 
 struct Args {
   Problem prob;
@@ -30,6 +30,7 @@ struct Args {
   float* scores;          // [B*Hq, nQB, nKB]
   int64_t rows;           // pooled rows per kv head: group * nQB
   uint32_t row_ctas, key_ctas;
+  uint32_t tiles;         // key tiles per CTA (key_ctas = ceil(nKB / tiles))
 };
 
 // Last visible key of query block qb's last row (-1: none).
@@ -57,8 +58,8 @@ struct CtaWork {
     row0 = int64_t(rc) * rows_per_cta;
     const int64_t row_last = min(a.rows, row0 + rows_per_cta) - 1;
     const int64_t vis = visible_key_blocks(p, row_last / g);
-    t_begin = int64_t(kc) * kTiles;
-    const int64_t t_end = min(vis, t_begin + kTiles);
+    t_begin = int64_t(kc) * a.tiles;
+    const int64_t t_end = min(vis, t_begin + int64_t(a.tiles));
     ntiles = t_begin < t_end ? int(t_end - t_begin) : 0;
   }
   // Key blocks visible to the last of rows [first, first + n) that exist (0 if none does).

@@ -129,7 +129,10 @@ __global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s
 // With W(t) = total weight of the blocks whose P bits are >= t, the search
 // builds t* = max { t : W(t) >= target } bit by bit from the most significant
 // one (W is monotone): one warp reduction per bit, deterministic, no sort, no
-// atomics, no contention on ties. t* is the P of the last selected block in
+// atomics, no contention on ties. t* is a key, so the search starts below the
+// leading bits that the row's smallest and largest candidate keys share; a
+// top-k search stops at the first candidate t with W(t) == target (the keys
+// >= t are then exactly the selection, as the remaining bits would find). t* is the P of the last selected block in
 // the ordering (P descending, lower index first). Blocks with P > t* are kept
 // and, of the blocks with P == t*, the lowest-index ones, as many as needed to
 // reach the target.
@@ -219,16 +222,51 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
     for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
     return;
   }
-  uint32_t tstar = 0;
-  for (int bit = 30; bit >= 0; --bit) {  // key <= bits(1.0f) + 1: bit 31 of t* is 0
-    const uint32_t cand = tstar | (1u << bit);
-    if (rs.total_ge(cand) >= target) tstar = cand;
+  // t* is a key, so it has the bits that every candidate key shares above their
+  // highest differing bit: the search starts below them.
+  uint32_t kmin = 0xffffffffu, kmax = 0u;
+#pragma unroll
+  for (int i = 0; i < kSelCache; ++i) {
+    const uint32_t u = rs.uc[i];
+    kmax = max(kmax, u);
+    kmin = min(kmin, u ? u : 0xffffffffu);
   }
-  const unsigned long long rem = target - rs.total_ge(tstar + 1);
-  unsigned long long need = rem;  // ties (P == t*) to take, in index order
-  if (CDF) {
-    const unsigned long long w = fixed62(tstar - 1u);
-    need = w ? (rem + w - 1) / w : 1;
+  for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
+    const uint32_t u = pb[kb];
+    kmax = max(kmax, u);
+    kmin = min(kmin, u ? u : 0xffffffffu);
+  }
+  kmin = __reduce_min_sync(0xffffffffu, kmin);
+  kmax = __reduce_max_sync(0xffffffffu, kmax);
+  const uint32_t diff = kmin ^ kmax;  // kmin <= kmax: total_ge(1) >= target >= 1 above
+  const int top = diff ? 31 - __clz(diff) : -1;
+  // (one key value, top < 0: t* = kmax, and the ties below take the first `target`)
+  uint32_t tstar = top >= 0 ? kmax & ~((2u << top) - 1u) : kmax;
+  bool exact = false;
+  for (int bit = top; bit >= 0; --bit) {
+    const uint32_t cand = tstar | (1u << bit);
+    const unsigned long long w = rs.total_ge(cand);
+    if (w >= target) tstar = cand;
+    // Top-k: exactly `target` keys >= cand are the selection (the keys >= the
+    // smallest of them, t*, ties included): the remaining bits change nothing.
+    if (!CDF && w == target) {
+      tstar = cand;
+      exact = true;
+      break;
+    }
+  }
+  unsigned long long need;  // ties (P == t*) to take, in index order
+  if (!CDF && exact) {
+    // keys >= tstar are the selection: as "keys > tstar - 1", no ties (tstar >= 1)
+    tstar -= 1u;
+    need = 0;
+  } else {
+    const unsigned long long rem = target - rs.total_ge(tstar + 1);
+    need = rem;
+    if (CDF) {
+      const unsigned long long w = fixed62(tstar - 1u);
+      need = w ? (rem + w - 1) / w : 1;
+    }
   }
   // ties in index order: chunks of 32 consecutive blocks, ballot + prefix count
   unsigned long long taken = 0;
@@ -275,7 +313,9 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
   __syncwarp();
 
   if (V > 0) {
-    const bool force_row = a.sim_q[size_t(bh) * nQB + qb] < sim_thr;
+    // (self-similarities are >= 0 or NaN: a threshold <= 0 forces no row, and
+    // sim_q is then neither read nor computed: prepare.cu)
+    const bool force_row = sim_thr > 0.f && a.sim_q[size_t(bh) * nQB + qb] < sim_thr;
     const float* srow = a.scores + (size_t(bh) * nQB + qb) * size_t(nKB);
     float mx = -INFINITY;
     bool nonfinite = false;

@@ -75,7 +75,8 @@ struct QArgs {
   int64_t Hq, Hkv, group, Lq, nQB;
   float scale;
   bool smooth, quant;
-  bool pool;            // pooled mean and self-similarity (for the mask prediction)
+  bool pool;            // pooled mean (for the mask prediction)
+  bool sim;             // with pool: the self-similarity too (read only by a threshold > 0)
   bool lse_shift;       // q_mu (only the LSE output reads it)
   const float* k_mean;  // [B*Hkv, D]
   float* pooled_q;      // [B*Hq, nQB, D]
@@ -120,7 +121,12 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
     const int64_t row = row0 + it * RPI + lr;
     float x[8];
     unpack8<T>(raw[it], x);  // rows past Lq are zeros
-    if (a.pool) pool_row<TPR>(x, ps, us);
+    if (a.pool) {
+      if (a.sim)
+        pool_row<TPR, true>(x, ps, us);
+      else
+        pool_row<TPR, false>(x, ps, us);
+    }
     if (a.quant) {
       float am = 0.f;
 #pragma unroll
@@ -141,7 +147,10 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
   if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
   const int64_t blk = bh * a.nQB + qb;
-  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
+  if (a.sim)
+    block_pool_finish<D, TPR, kThreads, true>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
+  else
+    block_pool_finish<D, TPR, kThreads, false>(ps, us, n, red, a.pooled_q + blk * D, nullptr);
 }
 
 // ---------------------------------------------------------------- K pass
@@ -150,7 +159,8 @@ struct KArgs {
   int d_in;  // the tensor's head dim (see ColArgs)
   int64_t Hkv, Lkv, nKB;
   bool smooth, quant;
-  bool pool;            // pooled mean and self-similarity (for the mask prediction)
+  bool pool;            // pooled mean (for the mask prediction)
+  bool sim;             // with pool: the self-similarity too (read only by a threshold > 0)
   const float* k_mean;  // [B*Hkv, D]
   float* pooled_k;      // [B*Hkv, nKB, D]
   float* sim_k;         // [B*Hkv, nKB]
@@ -191,7 +201,12 @@ __device__ __forceinline__ void k_pass(const KArgs& a, uint32_t cta, PassSmem<D>
       x[it][c] = valid ? x[it][c] - mu[c] : 0.f;  // k' = k - mu (float32); pad rows stay zero
       am = max_nan(am, fabsf(x[it][c]));
     }
-    if (a.pool) pool_row<TPR>(x[it], ps, us);
+    if (a.pool) {
+      if (a.sim)
+        pool_row<TPR, true>(x[it], ps, us);
+      else
+        pool_row<TPR, false>(x[it], ps, us);
+    }
   }
   if (a.quant) {
     am = finite_or_nan(block_reduce(am, fred, OpMaxNaN{}));
@@ -206,7 +221,10 @@ __device__ __forceinline__ void k_pass(const KArgs& a, uint32_t cta, PassSmem<D>
   if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockK), a.Lkv - row0));
   const int64_t blk = bhk * a.nKB + kb;
-  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
+  if (a.sim)
+    block_pool_finish<D, TPR, kThreads, true>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
+  else
+    block_pool_finish<D, TPR, kThreads, false>(ps, us, n, red, a.pooled_k + blk * D, nullptr);
 }
 
 // ---------------------------------------------------------------- V pass
@@ -460,6 +478,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.Hq = p.Hq, qa.Hkv = p.Hkv, qa.group = p.group(), qa.Lq = p.Lq, qa.nQB = p.nQB;
     qa.scale = p.scale;
     qa.smooth = do_k, qa.quant = quant, qa.pool = pool, qa.lse_shift = lse_shift;
+    qa.sim = pool && !no_sim_forcing;  // sim_q is read only by a threshold > 0 (select.cu)
     qa.k_mean = k_mean;
     qa.pooled_q = ws_ptr<float>(base, L.pooled_q);
     qa.sim_q = ws_ptr<float>(base, L.sim_q);
@@ -490,6 +509,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ka.d_in = int(p.D);
     ka.Hkv = p.Hkv, ka.Lkv = p.Lkv, ka.nKB = p.nKB;
     ka.smooth = do_k, ka.quant = quant, ka.pool = pool;
+    ka.sim = pool && !no_sim_forcing;  // sim_k likewise
     ka.k_mean = k_mean;
     ka.pooled_k = ws_ptr<float>(base, L.pooled_k);
     ka.sim_k = ws_ptr<float>(base, L.sim_k);

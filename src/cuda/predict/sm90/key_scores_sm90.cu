@@ -14,6 +14,9 @@
 // The ring: the barrier of step i makes tile i + 1 visible to every warpgroup and frees the stage
 // of tile i - 1 (its wgmmas completed in step i - 1), which then receives tile i + kStages - 1.
 // Causal: the CTA's tiles end at the extent of its last row; rows mask the keys past their own.
+#include <algorithm>
+#include <cmath>
+
 #include "core/error.hpp"
 #include "cuda/attention/sm90/primitives.cuh"
 #include "cuda/attention/sm90/wgmma_ops.cuh"
@@ -178,14 +181,39 @@ __global__ void __launch_bounds__(Ks90<DK, WG>::kThreads, Ks90<DK, WG>::kMinBloc
 
 namespace ks {
 
+// Key tiles per CTA: the most (up to kTiles, at least 4) that still fill the GPU's CTA slots in
+// whole waves (active CTAs / slots at >= 90 % of the next whole number, or >= 8 waves), so that
+// short or causal problems, whose CTAs would otherwise leave SMs idle in the last wave, run on
+// more, shorter CTAs. A CTA with no visible tile exits at once and is not counted.
+static int choose_tiles(const Args& a, int rows_per_cta, int slots) {
+  const Problem& p = a.prob;
+  const int64_t row_ctas = ceil_div(a.rows, rows_per_cta);
+  const int64_t g = p.Hq / p.Hkv;
+  int tiles = kTiles;
+  for (; tiles > 4; tiles /= 2) {
+    int64_t active = 0;
+    for (int64_t rc = 0; rc < row_ctas; ++rc) {
+      const int64_t last = std::min(a.rows, (rc + 1) * rows_per_cta) - 1;
+      active += ceil_div(visible_key_blocks(p, last / g), int64_t(tiles));
+    }
+    active *= p.B * p.Hkv;
+    const double waves = double(active) / double(std::max(slots, 1));
+    if (waves >= 8.0 || waves >= 0.9 * std::ceil(waves)) break;
+  }
+  return tiles;
+}
+
 sparge_status_t launch_key_scores_sm90(Args a, bool vec, cudaStream_t stream, bool* ran) {
   const Problem& p = a.prob;
   *ran = false;
   sparge_status_t st = SPARGE_OK;
   cudaError_t err = cudaSuccess;
-  // One warpgroup per CTA (64 rows, 4 CTAs per SM) where it measured faster: Dk = 64, and causal (a
-  // CTA's tiles end at its own rows' extent, so fewer tiles past a row's extent are multiplied); two
-  // (128 rows: K read from L2 half as often) for non-causal Dk = 128 (docs/PERF-NOTES.md v38).
+  int sms = 0;
+  SPARGE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
+  // One warpgroup per CTA (64 rows, 4 CTAs per SM) where it measured faster: Dk = 64, causal (a
+  // CTA's tiles end at its own rows' extent, so fewer tiles past a row's extent are multiplied),
+  // and problems of at most 64 rows per kv head (a second warpgroup would multiply padding rows);
+  // two (128 rows: K read from L2 half as often) for non-causal Dk = 128 (docs/PERF-NOTES.md v38).
   dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
     constexpr int DK = decltype(dc)::value;
     using T = typename decltype(tt)::type;
@@ -195,13 +223,21 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, cudaStream_t stream, bo
         using Tr = Ks90<DK, WG>;
         auto kern = vec ? key_scores_wgmma_kernel<DK, T, WG, true> : key_scores_wgmma_kernel<DK, T, WG, false>;
         const int64_t row_ctas = ceil_div(a.rows, Tr::kRowsCta);
+        const int tiles = choose_tiles(a, Tr::kRowsCta, sms * Tr::kMinBlocks);
+        const int64_t key_ctas = ceil_div(p.nKB, int64_t(tiles));
+        const int64_t n = p.B * p.Hkv * row_ctas * key_ctas;
+        if (n > int64_t(0x7fffffff)) {  // the caller checked the grid of kTiles per CTA
+          st = fail(SPARGE_ERR_UNSUPPORTED, "key score grid too large");
+          return;
+        }
         a.row_ctas = uint32_t(row_ctas);
-        const int64_t n = p.B * p.Hkv * row_ctas * int64_t(a.key_ctas);  // <= 2^31 - 1 (checked by the caller)
+        a.key_ctas = uint32_t(key_ctas);
+        a.tiles = uint32_t(tiles);
         st = ensure_smem_attr(reinterpret_cast<const void*>(kern), Tr::kSmem, p.device_id);
         if (st == SPARGE_OK) err = launch_pdl(kern, dim3(unsigned(n)), dim3(Tr::kThreads), size_t(Tr::kSmem), stream, a);
       };
       *ran = true;
-      if (DK == 64 || p.causal)
+      if (DK == 64 || p.causal || a.rows <= 64)
         run(std::integral_constant<int, 1>{});
       else if constexpr (DK == 128)
         run(std::integral_constant<int, 2>{});
