@@ -326,6 +326,61 @@ TEST_CASE("predict: CUDA vs CPU predictor", "[gpu][predict]") {
   }
 }
 
+// Exact ties: key block kb of head h is a copy of block kb % G(h) (G = 4, 1, 3, ...), so a row's block
+// scores take G values, each on many blocks. The selection's tie rule (probability descending, lower
+// index first) then decides most of the mask, and top-k budgets that end inside a group, at a
+// group's end or (G = 1) inside the only group exercise every exit of the threshold search. CUDA and
+// CPU masks must be equal bit for bit: identical blocks give identical scores on both.
+static void run_tie_case(const char* name, const Shape& s) {
+  const uint64_t seed = case_seed(name);
+  std::printf("predict tie case %-10s %s seed 0x%016llx\n", name, s.str().c_str(), static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  Inputs in = make_inputs(s, Layout::HND, SPARGE_DTYPE_BFLOAT16, false, seed);
+  std::vector<float> kv = in.k.val;
+  const int64_t L = in.k.L, D = in.k.D;
+  for (int64_t b = 0; b < in.k.B; ++b)
+    for (int64_t h = 0; h < in.k.H; ++h) {
+      const int64_t G = (h % 3 == 0) ? 4 : (h % 3 == 1) ? 1 : 3;
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t src = ((i / 64) % G) * 64 + i % 64;
+        if (src >= L) continue;
+        for (int64_t c = 0; c < D; ++c) kv[in.k.lidx(b, h, i, c)] = in.k.val[in.k.lidx(b, h, src, c)];
+      }
+    }
+  in.k.set_values(kv);
+  const DeviceInputs din(in);
+  Stream stream;
+  const float topks[] = {0.5f, 0.4f, 0.25f, 0.75f, 0.1f};
+  for (int est = 0; est < 2; ++est)
+    for (float tk : topks) {
+      sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      if (est == 0) prm = mean_params();
+      prm.topk = tk;
+      INFO(name << (est ? " keys_lse" : " mean") << " topk " << tk << " [" << s.str() << "]");
+      const PredictResult g = gpu_predict(in, din, SPARGE_PRECISION_INT8_FP8, prm, nullptr, false, stream.get());
+      const PredictResult cp = cpu_predict(in, SPARGE_PRECISION_INT8_FP8, prm, nullptr);
+      REQUIRE(g.status == SPARGE_OK);
+      REQUIRE(cp.status == SPARGE_OK);
+      int64_t diff = 0, kept = 0;
+      for (size_t i = 0; i < g.mask.size(); ++i) {
+        diff += g.mask[i] != cp.mask[i];
+        kept += g.mask[i] == 1;
+      }
+      CHECK(kept > 0);
+      CHECK(diff == 0);
+      CHECK(g.kept == cp.kept);
+    }
+}
+
+TEST_CASE("predict: exact ties in the block scores (duplicated key blocks)", "[gpu][predict][sanitize]") {
+  run_tie_case("tie-small", shp(1, 3, 3, 1000, 1000, 128, false));
+  run_tie_case("tie-causal", shp(1, 3, 3, 1000, 1000, 64, true));
+}
+
+TEST_CASE("predict: exact ties, rows of more than 512 key blocks", "[gpu][predict]") {
+  run_tie_case("tie-long", shp(1, 3, 3, 256, 33000, 64, false));
+}
+
 TEST_CASE("predict + attention: the mask predicted inside equals the explicit mask", "[gpu][predict][sanitize]") {
   run_predict_attention({"pa-small", shp(1, 4, 2, 333, 333, 128, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, true});
 }
