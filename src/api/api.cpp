@@ -91,13 +91,13 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
     if (!problem) return fail(SPARGE_ERR_INVALID_ARGUMENT, "problem is NULL, expected a sparge_problem_t");
     Problem p;
     SPARGE_TRY(api::resolve_problem(*problem, &p));
-    int sm = 0;
+    int sm = 0, sms = 0;
     const void* kernel = nullptr;
     if (p.device == SPARGE_DEVICE_CUDA) {
       if (!cuda::built())
         return fail(SPARGE_ERR_NO_DEVICE,
                     "problem->device_type is CUDA but libsparge was built without CUDA (sparge_has_cuda() == 0)");
-      const sparge_status_t st = cuda::check_device(p, &sm, &kernel);
+      const sparge_status_t st = cuda::check_device(p, &sm, &sms, &kernel);
       if (st != SPARGE_OK) {  // name the argument the device comes from
         char why[1024];  // copied: fail() rewrites the message it is formatted from
         std::snprintf(why, sizeof(why), "%s", last_error_text());
@@ -108,6 +108,7 @@ SPARGE_API sparge_status_t sparge_create_plan(const sparge_problem_t* problem, s
     plan->prob = p;
     plan->ws = plan_workspace(p);
     plan->sm_version = sm;
+    plan->sm_count = sms;
     plan->kernel = kernel;
     if (p.device == SPARGE_DEVICE_CUDA) plan->call_cache = cuda::create_call_cache();
     *out = plan.release();

@@ -15,8 +15,9 @@ sparge_status_t absent() {
 }  // namespace
 
 bool built() { return false; }
-sparge_status_t check_device(Problem&, int* sm_version, const void** kernel) {
+sparge_status_t check_device(Problem&, int* sm_version, int* sm_count, const void** kernel) {
   if (sm_version) *sm_version = 0;
+  if (sm_count) *sm_count = 0;
   if (kernel) *kernel = nullptr;
   return absent();
 }

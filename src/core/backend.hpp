@@ -42,6 +42,7 @@ struct sparge_plan {
   sparge::Problem prob;
   sparge::WorkspaceLayout ws;
   int sm_version = 0;            // CUDA plans: major*10+minor of the device
+  int sm_count = 0;              // CUDA plans: the device's multiprocessor count
   const void* kernel = nullptr;  // CUDA plans: the attention kernel's registry entry (cuda/registry)
   // CUDA plans: the setup of recent calls (keyed by AttnCallKey, under the
   // cache's own lock; NULL for CPU plans). Not part of what the plan means: a
@@ -75,12 +76,12 @@ sparge_status_t merge_states(const MergeArgs& a);
 namespace cuda {
 // True when the library was built with the CUDA backend.
 bool built();
-// Checks that device `id` exists and is usable for `p`; fills sm_version.
+// Checks that device `id` exists and is usable for `p`; fills sm_version and sm_count.
 // Called once by sparge_create_plan (host-side driver queries are allowed there).
 // The device, the preparation's limits and the attention kernel of `p`
 // (from the kernel registry); every reason to refuse the plan. Resolves
 // SPARGE_PRECISION_AUTO for the device's kernel family (`p.precision`).
-sparge_status_t check_device(Problem& p, int* sm_version, const void** kernel);
+sparge_status_t check_device(Problem& p, int* sm_version, int* sm_count, const void** kernel);
 // The chosen kernel's facts for sparge_plan_kernel_info.
 sparge_status_t kernel_info(const Plan& plan, sparge_kernel_info_t* info);
 // True when `ptr` is device (or managed) memory of device `id`.

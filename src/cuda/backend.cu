@@ -228,8 +228,9 @@ bool call_known(const Plan& plan, const AttnCallKey& key) {
 
 bool pdl_enabled() { return dev_switches().pdl; }
 
-sparge_status_t check_device(Problem& p, int* sm_version, const void** kernel) {
+sparge_status_t check_device(Problem& p, int* sm_version, int* sm_count, const void** kernel) {
   if (sm_version) *sm_version = 0;
+  if (sm_count) *sm_count = 0;
   if (kernel) *kernel = nullptr;
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
@@ -246,6 +247,7 @@ sparge_status_t check_device(Problem& p, int* sm_version, const void** kernel) {
   SPARGE_CUDA_TRY(cudaGetDeviceProperties(&prop, p.device_id));
   const int sm = prop.major * 10 + prop.minor;
   if (sm_version) *sm_version = sm;
+  if (sm_count) *sm_count = prop.multiProcessorCount;
   if (p.precision_is_auto) {
     Family fam;
     p.precision = auto_precision(p.Lq, p.Lkv, p.D, family_for_device(sm, &fam) && fam == Family::kSm90);

@@ -258,7 +258,7 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   Family fam;
   if (family_for_device(plan.sm_version, &fam) && fam == Family::kSm90) {
     bool ran = false;
-    SPARGE_TRY(ks::launch_key_scores_sm90(ka, vec, stream, &ran));
+    SPARGE_TRY(ks::launch_key_scores_sm90(ka, vec, plan.sm_count, stream, &ran));
     if (ran) return SPARGE_OK;
   }
 #endif

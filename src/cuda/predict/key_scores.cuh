@@ -264,9 +264,9 @@ __device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, in
 }
 
 // The wgmma kernel (sm_90a, Dk 64 and 128; built with the sm90 family): *ran = false when the
-// head dim has none (the caller then runs the mma.sync kernel). `a` without its grid (row_ctas
-// is set here); vec: 16-byte K loads.
-sparge_status_t launch_key_scores_sm90(Args a, bool vec, cudaStream_t stream, bool* ran);
+// head dim has none (the caller then runs the mma.sync kernel). `a` without its grid (row_ctas,
+// key_ctas and tiles are set here, the tiles from the device's sm_count); vec: 16-byte K loads.
+sparge_status_t launch_key_scores_sm90(Args a, bool vec, int sm_count, cudaStream_t stream, bool* ran);
 
 }  // namespace ks
 }  // namespace cuda

@@ -10,19 +10,20 @@ namespace cuda {
 // Per-thread float column partials of a block (8 columns per thread): sums
 // (ps) and sums of the rows divided by their norms (us) -> pooled mean and
 // self-similarity, written by the block. `red` is shared scratch
-// [2][NW][D] floats plus 32 floats. SIM false: the mean only (us is not
-// read, sim_out not written).
-template <int D, int TPR, int kThreads, bool SIM = true>
+// [2][NW][D] floats plus 32 floats. sim_out null: the mean only (us is not
+// read).
+template <int D, int TPR, int kThreads>
 __device__ __forceinline__ void block_pool_finish(float (&ps)[8], float (&us)[8], int n, float* red,
                                                   float* pooled_out, float* sim_out) {
   constexpr int NW = kThreads / 32;
+  const bool sim = sim_out != nullptr;  // uniform
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, cg = tid % TPR;
 #pragma unroll
   for (int o = TPR; o < 32; o <<= 1) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       ps[c] += __shfl_xor_sync(0xffffffffu, ps[c], o);
-      if (SIM) us[c] += __shfl_xor_sync(0xffffffffu, us[c], o);
+      if (sim) us[c] += __shfl_xor_sync(0xffffffffu, us[c], o);
     }
   }
   float* rp = red;               // [NW][D]
@@ -32,7 +33,7 @@ __device__ __forceinline__ void block_pool_finish(float (&ps)[8], float (&us)[8]
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       rp[warp * D + cg * 8 + c] = ps[c];
-      if (SIM) ru[warp * D + cg * 8 + c] = us[c];
+      if (sim) ru[warp * D + cg * 8 + c] = us[c];
     }
   }
   __syncthreads();
@@ -41,14 +42,14 @@ __device__ __forceinline__ void block_pool_finish(float (&ps)[8], float (&us)[8]
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
       Pc += rp[w * D + tid];
-      if (SIM) Uc += ru[w * D + tid];
+      if (sim) Uc += ru[w * D + tid];
     }
     pooled_out[tid] = Pc / float(n);
-    if (!SIM) return;
+    if (!sim) return;
     const float u2 = warp_sum(Uc * Uc);
     if (lane == 0) rs[warp] = u2;
   }
-  if (!SIM) return;
+  if (!sim) return;
   __syncthreads();
   if (tid == 0) {
     float u2 = 0.f;
@@ -59,10 +60,10 @@ __device__ __forceinline__ void block_pool_finish(float (&ps)[8], float (&us)[8]
 }
 
 // Accumulates one row (8 columns per thread, TPR threads per row) into the
-// pooled partials: column sums and (SIM) the row divided by its norm.
-template <int TPR, bool SIM = true>
-__device__ __forceinline__ void pool_row(const float (&x)[8], float (&ps)[8], float (&us)[8]) {
-  if (!SIM) {
+// pooled partials: column sums and (sim) the row divided by its norm.
+template <int TPR>
+__device__ __forceinline__ void pool_row(const float (&x)[8], float (&ps)[8], float (&us)[8], bool sim) {
+  if (!sim) {  // uniform
 #pragma unroll
     for (int c = 0; c < 8; ++c) ps[c] += x[c];
     return;

@@ -129,11 +129,12 @@ __global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s
 // With W(t) = total weight of the blocks whose P bits are >= t, the search
 // builds t* = max { t : W(t) >= target } bit by bit from the most significant
 // one (W is monotone): one warp reduction per bit, deterministic, no sort, no
-// atomics, no contention on ties. t* is a key, so the search starts below the
-// leading bits that the row's smallest and largest candidate keys share; a
-// top-k search stops at the first candidate t with W(t) == target (the keys
-// >= t are then exactly the selection, as the remaining bits would find). t* is the P of the last selected block in
-// the ordering (P descending, lower index first). Blocks with P > t* are kept
+// atomics, no contention on ties. t* lies between the row's smallest and
+// largest candidate keys, so the search starts below the leading bits those
+// two share; a top-k search stops at the first candidate t with W(t) ==
+// target (the keys >= t are then exactly the selection, as the remaining bits
+// would find). t* is the P of the last selected block in the ordering (P
+// descending, lower index first). Blocks with P > t* are kept
 // and, of the blocks with P == t*, the lowest-index ones, as many as needed to
 // reach the target.
 constexpr int kSelCache = 16;  // register-cached blocks per lane (V <= 512 fully cached)
@@ -198,6 +199,20 @@ struct RowSearch {
     for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) w += uint32_t(pb[kb] >= t);
     return w;
   }
+  // The smallest and largest candidate key (>= 1) of the row, warp-wide.
+  __device__ __forceinline__ void key_range(uint32_t& kmin, uint32_t& kmax) const {
+    const int lane = threadIdx.x & 31;
+    kmin = 0xffffffffu, kmax = 0u;
+    auto take = [&](uint32_t u) {
+      kmax = max(kmax, u);
+      kmin = min(kmin, u ? u : 0xffffffffu);
+    };
+#pragma unroll
+    for (int i = 0; i < kSelCache; ++i) take(uc[i]);
+    for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) take(pb[kb]);
+    kmin = __reduce_min_sync(0xffffffffu, kmin);
+    kmax = __reduce_max_sync(0xffffffffu, kmax);
+  }
   __device__ __forceinline__ unsigned long long total_ge(uint32_t t) const {
     if (CDF) return warp_sum_u64(local(t));
     return (unsigned long long)__reduce_add_sync(0xffffffffu, uint32_t(local(t)));
@@ -222,22 +237,10 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
     for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
     return;
   }
-  // t* is a key, so it has the bits that every candidate key shares above their
+  // t* lies in [kmin, kmax], so it has the bits those two share above their
   // highest differing bit: the search starts below them.
-  uint32_t kmin = 0xffffffffu, kmax = 0u;
-#pragma unroll
-  for (int i = 0; i < kSelCache; ++i) {
-    const uint32_t u = rs.uc[i];
-    kmax = max(kmax, u);
-    kmin = min(kmin, u ? u : 0xffffffffu);
-  }
-  for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
-    const uint32_t u = pb[kb];
-    kmax = max(kmax, u);
-    kmin = min(kmin, u ? u : 0xffffffffu);
-  }
-  kmin = __reduce_min_sync(0xffffffffu, kmin);
-  kmax = __reduce_max_sync(0xffffffffu, kmax);
+  uint32_t kmin, kmax;
+  rs.key_range(kmin, kmax);
   const uint32_t diff = kmin ^ kmax;  // kmin <= kmax: total_ge(1) >= target >= 1 above
   const int top = diff ? 31 - __clz(diff) : -1;
   // (one key value, top < 0: t* = kmax, and the ties below take the first `target`)
@@ -250,13 +253,12 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
     // Top-k: exactly `target` keys >= cand are the selection (the keys >= the
     // smallest of them, t*, ties included): the remaining bits change nothing.
     if (!CDF && w == target) {
-      tstar = cand;
       exact = true;
       break;
     }
   }
   unsigned long long need;  // ties (P == t*) to take, in index order
-  if (!CDF && exact) {
+  if (exact) {
     // keys >= tstar are the selection: as "keys > tstar - 1", no ties (tstar >= 1)
     tstar -= 1u;
     need = 0;

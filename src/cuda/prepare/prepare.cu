@@ -76,11 +76,10 @@ struct QArgs {
   float scale;
   bool smooth, quant;
   bool pool;            // pooled mean (for the mask prediction)
-  bool sim;             // with pool: the self-similarity too (read only by a threshold > 0)
   bool lse_shift;       // q_mu (only the LSE output reads it)
   const float* k_mean;  // [B*Hkv, D]
   float* pooled_q;      // [B*Hq, nQB, D]
-  float* sim_q;         // [B*Hq, nQB]
+  float* sim_q;         // [B*Hq, nQB], with pool; null: not computed (read only by a threshold > 0)
   int8_t* q_i8;         // [B*Hq, nQB*128, D]
   float* q_scale;       // [B*Hq, nQB*128]
   float* q_mu;          // [B*Hq, nQB*128]
@@ -121,12 +120,7 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
     const int64_t row = row0 + it * RPI + lr;
     float x[8];
     unpack8<T>(raw[it], x);  // rows past Lq are zeros
-    if (a.pool) {
-      if (a.sim)
-        pool_row<TPR, true>(x, ps, us);
-      else
-        pool_row<TPR, false>(x, ps, us);
-    }
+    if (a.pool) pool_row<TPR>(x, ps, us, a.sim_q != nullptr);
     if (a.quant) {
       float am = 0.f;
 #pragma unroll
@@ -147,10 +141,7 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
   if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
   const int64_t blk = bh * a.nQB + qb;
-  if (a.sim)
-    block_pool_finish<D, TPR, kThreads, true>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q + blk);
-  else
-    block_pool_finish<D, TPR, kThreads, false>(ps, us, n, red, a.pooled_q + blk * D, nullptr);
+  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q ? a.sim_q + blk : nullptr);
 }
 
 // ---------------------------------------------------------------- K pass
@@ -160,10 +151,9 @@ struct KArgs {
   int64_t Hkv, Lkv, nKB;
   bool smooth, quant;
   bool pool;            // pooled mean (for the mask prediction)
-  bool sim;             // with pool: the self-similarity too (read only by a threshold > 0)
   const float* k_mean;  // [B*Hkv, D]
   float* pooled_k;      // [B*Hkv, nKB, D]
-  float* sim_k;         // [B*Hkv, nKB]
+  float* sim_k;         // [B*Hkv, nKB], with pool; null: not computed (read only by a threshold > 0)
   int8_t* k_i8;         // [B*Hkv, nKB*64, D]
   float* k_scale;       // [B*Hkv, nKB]
 };
@@ -201,12 +191,7 @@ __device__ __forceinline__ void k_pass(const KArgs& a, uint32_t cta, PassSmem<D>
       x[it][c] = valid ? x[it][c] - mu[c] : 0.f;  // k' = k - mu (float32); pad rows stay zero
       am = max_nan(am, fabsf(x[it][c]));
     }
-    if (a.pool) {
-      if (a.sim)
-        pool_row<TPR, true>(x[it], ps, us);
-      else
-        pool_row<TPR, false>(x[it], ps, us);
-    }
+    if (a.pool) pool_row<TPR>(x[it], ps, us, a.sim_k != nullptr);
   }
   if (a.quant) {
     am = finite_or_nan(block_reduce(am, fred, OpMaxNaN{}));
@@ -221,10 +206,7 @@ __device__ __forceinline__ void k_pass(const KArgs& a, uint32_t cta, PassSmem<D>
   if (!a.pool) return;
   const int n = int(min(int64_t(kGpuBlockK), a.Lkv - row0));
   const int64_t blk = bhk * a.nKB + kb;
-  if (a.sim)
-    block_pool_finish<D, TPR, kThreads, true>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k + blk);
-  else
-    block_pool_finish<D, TPR, kThreads, false>(ps, us, n, red, a.pooled_k + blk * D, nullptr);
+  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_k + blk * D, a.sim_k ? a.sim_k + blk : nullptr);
 }
 
 // ---------------------------------------------------------------- V pass
@@ -478,10 +460,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.Hq = p.Hq, qa.Hkv = p.Hkv, qa.group = p.group(), qa.Lq = p.Lq, qa.nQB = p.nQB;
     qa.scale = p.scale;
     qa.smooth = do_k, qa.quant = quant, qa.pool = pool, qa.lse_shift = lse_shift;
-    qa.sim = pool && !no_sim_forcing;  // sim_q is read only by a threshold > 0 (select.cu)
     qa.k_mean = k_mean;
     qa.pooled_q = ws_ptr<float>(base, L.pooled_q);
-    qa.sim_q = ws_ptr<float>(base, L.sim_q);
+    qa.sim_q = no_sim_forcing ? nullptr : ws_ptr<float>(base, L.sim_q);  // read only by a threshold > 0 (select.cu)
     qa.q_i8 = quant ? ws_ptr<int8_t>(base, L.q_i8) : nullptr;
     qa.q_scale = quant ? ws_ptr<float>(base, L.q_scale) : nullptr;
     qa.q_mu = quant ? ws_ptr<float>(base, L.q_mu) : nullptr;
@@ -509,10 +490,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ka.d_in = int(p.D);
     ka.Hkv = p.Hkv, ka.Lkv = p.Lkv, ka.nKB = p.nKB;
     ka.smooth = do_k, ka.quant = quant, ka.pool = pool;
-    ka.sim = pool && !no_sim_forcing;  // sim_k likewise
     ka.k_mean = k_mean;
     ka.pooled_k = ws_ptr<float>(base, L.pooled_k);
-    ka.sim_k = ws_ptr<float>(base, L.sim_k);
+    ka.sim_k = no_sim_forcing ? nullptr : ws_ptr<float>(base, L.sim_k);
     ka.k_i8 = quant ? ws_ptr<int8_t>(base, L.k_i8) : nullptr;
     ka.k_scale = quant ? ws_ptr<float>(base, L.k_scale) : nullptr;
     B.n_k = uint32_t(bhk * p.nKB);

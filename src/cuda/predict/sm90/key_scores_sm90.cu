@@ -203,13 +203,11 @@ static int choose_tiles(const Args& a, int rows_per_cta, int slots) {
   return tiles;
 }
 
-sparge_status_t launch_key_scores_sm90(Args a, bool vec, cudaStream_t stream, bool* ran) {
+sparge_status_t launch_key_scores_sm90(Args a, bool vec, int sms, cudaStream_t stream, bool* ran) {
   const Problem& p = a.prob;
   *ran = false;
   sparge_status_t st = SPARGE_OK;
   cudaError_t err = cudaSuccess;
-  int sms = 0;
-  SPARGE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
   // One warpgroup per CTA (64 rows, 4 CTAs per SM) where it measured faster: Dk = 64, causal (a
   // CTA's tiles end at its own rows' extent, so fewer tiles past a row's extent are multiplied),
   // and problems of at most 64 rows per kv head (a second warpgroup would multiply padding rows);
