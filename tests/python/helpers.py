@@ -22,7 +22,10 @@ def spike_inputs(rng):
     hard, while the block's mean points away from that query (its mean score is the row's lowest): the mean
     rule drops the block at top-k 0.25, the per-key rule keeps it."""
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=512, Lkv=2048, D=32)
-    spike = q[0, 0, :128].mean(axis=0) * 200
+    pq = q[0, 0, :128].mean(axis=0)
+    # the spike key scores scale * pq . spike = 12 above its own key, for any seed (log 64 = 4.2 is what a
+    # block of 64 ordinary keys reaches)
+    spike = pq * (12.0 * np.sqrt(q.shape[-1]) / float(pq @ pq))
     delta = 20.0  # block mean = -delta * spike / 64
     k[0, 0, 64 * 5:64 * 6] -= (1 + delta) * spike / 63
     k[0, 0, 64 * 5 + 7] += (1 + delta) * spike / 63 + spike
