@@ -101,7 +101,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   float* sim_q = ws_ptr<float>(workspace, ws.sim_q);
   float* pooled_k = ws_ptr<float>(workspace, ws.pooled_k);
   float* sim_k = ws_ptr<float>(workspace, ws.sim_k);
-  float* probs = ws_ptr<float>(workspace, ws.scores);
+  float* probs = ws_ptr<float>(workspace, ws.scores);  // the rows' selection keys (scores or probabilities)
   int32_t* kept_ws = ws_ptr<int32_t>(workspace, ws.kept);
 
   // 1-2. K smoothing, pooled smoothed K and its self-similarity, per kv head.
@@ -190,35 +190,43 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           // the selection never drops a non-finite value.
           for (int64_t kb = 0; kb < vis; ++kb) keep[size_t(kb)] = 1;
         } else {
-          double tot = 0.0;
-          for (int64_t kb = 0; kb < vis; ++kb) {
-            e[size_t(kb)] = std::exp(e[size_t(kb)] - mx);
-            tot += e[size_t(kb)];
-        }
-        for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
-        // 4. selection: the budget's forced blocks first (sink, local window, causal
-        // diagonal), then probability descending, ties by lower block index
-        const BudgetForced fb = budget_forced(p, cfg, qb);
-        int64_t nforced = 0;
-        for (int64_t kb = 0; kb < vis; ++kb) nforced += fb.has(kb) ? 1 : 0;
-        std::iota(order.begin(), order.begin() + vis, int64_t(0));
-        std::stable_sort(order.begin(), order.begin() + vis, [&](int64_t a, int64_t c) {
-          const bool fa = fb.has(a), fc = fb.has(c);
-          if (fa != fc) return fa;
-          return !fa && P[a] > P[c];
-        });
-        int64_t n = 0;
-        if (cfg.mode == SPARGE_SELECT_TOPK) {
-          n = std::max(topk_count(topk, vis), nforced);
-        } else {
-          double acc = 0.0;
-          while (n < vis) {
-            acc += double(P[order[size_t(n)]]);
-            ++n;
-            if (n >= nforced && acc >= double(cdf)) break;
+          // 4. selection: the budget's forced blocks first (sink, local window, causal
+          // diagonal), then the others by key descending, ties by lower block index. The key
+          // is the float32 score for top-k (no softmax: the ranking of the scores themselves,
+          // also where their probabilities would round to equal float32 values or to 0) and
+          // the float32 probability (softmax of the row in float64) for CDF.
+          const bool topk_mode = cfg.mode == SPARGE_SELECT_TOPK;
+          if (topk_mode) {
+            for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)]);
+          } else {
+            double tot = 0.0;
+            for (int64_t kb = 0; kb < vis; ++kb) {
+              e[size_t(kb)] = std::exp(e[size_t(kb)] - mx);
+              tot += e[size_t(kb)];
+            }
+            for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)] / tot);
           }
-        }
-        for (int64_t t = 0; t < n; ++t) keep[size_t(order[size_t(t)])] = 1;
+          const BudgetForced fb = budget_forced(p, cfg, qb);
+          int64_t nforced = 0;
+          for (int64_t kb = 0; kb < vis; ++kb) nforced += fb.has(kb) ? 1 : 0;
+          std::iota(order.begin(), order.begin() + vis, int64_t(0));
+          std::stable_sort(order.begin(), order.begin() + vis, [&](int64_t a, int64_t c) {
+            const bool fa = fb.has(a), fc = fb.has(c);
+            if (fa != fc) return fa;
+            return !fa && P[a] > P[c];
+          });
+          int64_t n = 0;
+          if (topk_mode) {
+            n = std::max(topk_count(topk, vis), nforced);
+          } else {
+            double acc = 0.0;
+            while (n < vis) {
+              acc += double(P[order[size_t(n)]]);
+              ++n;
+              if (n >= nforced && acc >= double(cdf)) break;
+            }
+          }
+          for (int64_t t = 0; t < n; ++t) keep[size_t(order[size_t(t)])] = 1;
         }
         // 5. forced blocks
         if (sim_q[bh * nQB + qb] < sim_thr)

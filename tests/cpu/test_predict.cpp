@@ -199,6 +199,80 @@ TEST_CASE("top-k keeps max(1, floor(topk * visible)) blocks: the budget's forced
       }
 }
 
+// Top-k ranks the block scores themselves, not their float32 probabilities: key block kb holds
+// copies of c_kb w (w a unit vector, c_kb a permutation of 0, step, 2 step, ...) and every query row
+// is 2 w plus noise, so the block scores of both estimators are (scale 2 c_kb + a constant) up to
+// small terms, 20 apart. Over a row they span hundreds, so the probabilities of most blocks are 0 in
+// float32 (the softmax of a score 104 below the row's maximum underflows), and a ranking by
+// probability would take those blocks by index. The kept sets must be the forced blocks and then
+// the largest c_kb.
+TEST_CASE("top-k ranks the block scores, also where their probabilities underflow to 0", "[cpu][predict]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int sw[][2] = {{0, 0}, {1, 0}, {1, 2}};
+  for (bool causal : {false, true})
+    for (int est = 0; est < 2; ++est) {
+      const int64_t Lq = causal ? 1024 : 512, Lkv = 1024, D = 32;
+      Pred p = make_pred(1, 2, 1, Lq, Lkv, D, 128, 64, causal, rng);
+      std::vector<float> w(static_cast<size_t>(D));
+      double n2 = 0.0;
+      for (float& x : w) n2 += double(x = nd(rng)) * x;
+      for (float& x : w) x = float(x / std::sqrt(n2));
+      const double scale = 1.0 / std::sqrt(double(D)), step = 10.0 / scale;  // scores 20 apart
+      std::vector<int64_t> perm(static_cast<size_t>(p.nKB));
+      std::iota(perm.begin(), perm.end(), int64_t(0));
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int64_t j = 0; j < Lkv; ++j)
+        for (int64_t d = 0; d < D; ++d)
+          p.k.set(0, 0, j, d, float(step * double(perm[size_t(j / 64)])) * w[size_t(d)] + 0.01f * nd(rng));
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < Lq; ++i)
+          for (int64_t d = 0; d < D; ++d) p.q.set(0, h, i, d, 2.0f * w[size_t(d)] + 0.3f * nd(rng));
+      Plan plan(p.prob);
+      int64_t underflow_rows = 0;
+      for (float topk : {0.25f, 0.5f, 0.75f})
+        for (const auto& sinkwin : sw) {
+          INFO("causal " << causal << " estimator " << (est ? "keys_lse" : "mean") << " topk " << topk << " sink "
+                         << sinkwin[0] << " window " << sinkwin[1]);
+          sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+          params.estimator = est ? SPARGE_ESTIMATOR_KEYS_LSE : SPARGE_ESTIMATOR_MEAN;
+          params.topk = topk;
+          params.attention_sink = sinkwin[0];
+          params.local_window = sinkwin[1];
+          REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+          check_masks_binary_and_kept(p);
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t qb = 0; qb < p.nQB; ++qb) {
+              const int64_t vis = visible(p, qb);
+              const auto F = budget_forced_blocks(p, qb, sinkwin[0], sinkwin[1]);
+              std::vector<int64_t> others;
+              int64_t nf = 0, cmax = -1;
+              for (int64_t kb = 0; kb < vis; ++kb) {
+                cmax = std::max(cmax, perm[size_t(kb)]);
+                if (F[size_t(kb)])
+                  ++nf;
+                else
+                  others.push_back(kb);
+              }
+              std::sort(others.begin(), others.end(),
+                        [&](int64_t a, int64_t c) { return perm[size_t(a)] > perm[size_t(c)]; });
+              const int64_t m = std::max(topk_n(topk, vis), nf) - nf;
+              for (int64_t kb = 0; kb < vis; ++kb)
+                if (F[size_t(kb)]) REQUIRE(p.mask.get(0, h, qb, kb) == 1.0f);
+              for (int64_t t = 0; t < int64_t(others.size()); ++t)
+                REQUIRE(p.mask.get(0, h, qb, others[size_t(t)]) == (t < m ? 1.0f : 0.0f));
+              // the cut lies where float32 probabilities are 0 (so the test tells the two rankings apart)
+              if (m > 1 && m < int64_t(others.size()) &&
+                  2.0 * scale * step * double(cmax - perm[size_t(others[size_t(m - 1)])]) > 110.0)
+                ++underflow_rows;
+            }
+        }
+      CHECK(underflow_rows > 0);
+    }
+}
+
 TEST_CASE("CDF mode keeps the smallest set holding the forced blocks and reaching the threshold (brute force)",
           "[cpu][predict]") {
   const uint64_t seed = fresh_seed();

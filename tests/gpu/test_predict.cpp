@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <random>
 
 #include "core/kernel_traits.hpp"
 #include "gpu_util.hpp"
@@ -379,6 +380,78 @@ TEST_CASE("predict: exact ties in the block scores (duplicated key blocks)", "[g
 
 TEST_CASE("predict: exact ties, rows of more than 512 key blocks", "[gpu][predict]") {
   run_tie_case("tie-long", shp(1, 3, 3, 256, 33000, 64, false));
+}
+
+// Block scores hundreds apart (key block kb holds copies of c_kb w, c_kb a permutation of 0, step,
+// 2 step, ..., every query row 2 w plus noise: scores scale 2 c_kb + a constant, 20 apart): the
+// probabilities of most blocks are 0 in float32, and top-k ranks the scores themselves. CUDA and CPU
+// masks must be equal bit for bit (the scores are far apart, no near-ties), and without forced
+// blocks (non-causal, no sink, no window) every row keeps the blocks of the largest c_kb.
+static void run_wide_scores_case(const char* name, const Shape& s) {
+  const uint64_t seed = case_seed(name);
+  std::printf("predict wide-score case %-10s %s seed 0x%016llx\n", name, s.str().c_str(),
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  Inputs in = make_inputs(s, Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, seed);
+  std::mt19937_64 rng(seed ^ 0x5bd1e995u);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t D = s.D, nKB = s.nKB();
+  std::vector<float> w(static_cast<size_t>(D));
+  double n2 = 0.0;
+  for (float& x : w) n2 += double(x = nd(rng)) * x;
+  for (float& x : w) x = float(x / std::sqrt(n2));
+  const double step = 10.0 / s.scale();
+  std::vector<int64_t> perm(static_cast<size_t>(nKB));
+  std::iota(perm.begin(), perm.end(), int64_t(0));
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<float> kv = in.k.val, qv = in.q.val;
+  for (int64_t b = 0; b < s.B; ++b) {
+    for (int64_t h = 0; h < s.Hkv; ++h)
+      for (int64_t j = 0; j < s.Lkv; ++j)
+        for (int64_t c = 0; c < D; ++c)
+          kv[in.k.lidx(b, h, j, c)] = float(step * double(perm[size_t(j / 64)])) * w[size_t(c)] + 0.01f * nd(rng);
+    for (int64_t h = 0; h < s.Hq; ++h)
+      for (int64_t i = 0; i < s.Lq; ++i)
+        for (int64_t c = 0; c < D; ++c) qv[in.q.lidx(b, h, i, c)] = 2.0f * w[size_t(c)] + 0.3f * nd(rng);
+  }
+  in.k.set_values(kv);
+  in.q.set_values(qv);
+  const DeviceInputs din(in);
+  Stream stream;
+  for (int est = 0; est < 2; ++est)
+    for (float tk : {0.25f, 0.5f, 0.75f})
+      for (int sink : {0, 1}) {
+        sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+        if (est == 0) prm = mean_params();
+        prm.topk = tk;
+        prm.attention_sink = sink;
+        prm.local_window = 0;
+        INFO(name << (est ? " keys_lse" : " mean") << " topk " << tk << " sink " << sink << " [" << s.str() << "]");
+        const PredictResult g = gpu_predict(in, din, SPARGE_PRECISION_INT8_FP8, prm, nullptr, false, stream.get());
+        const PredictResult cp = cpu_predict(in, SPARGE_PRECISION_INT8_FP8, prm, nullptr);
+        REQUIRE(g.status == SPARGE_OK);
+        REQUIRE(cp.status == SPARGE_OK);
+        int64_t diff = 0;
+        for (size_t i = 0; i < g.mask.size(); ++i) diff += g.mask[i] != cp.mask[i];
+        CHECK(diff == 0);
+        CHECK(g.kept == cp.kept);
+        if (s.causal || sink) continue;
+        const int64_t n = std::max<int64_t>(1, int64_t(double(tk) * double(nKB) + 1e-4));
+        int64_t wrong = 0;
+        for (int64_t b = 0; b < s.B; ++b)
+          for (int64_t h = 0; h < s.Hq; ++h)
+            for (int64_t qb = 0; qb < s.nQB(); ++qb)
+              for (int64_t kb = 0; kb < nKB; ++kb) {
+                const uint8_t want = perm[size_t(kb)] >= nKB - n ? 1 : 0;
+                wrong += g.mask[size_t(((b * s.Hq + h) * s.nQB() + qb) * nKB + kb)] != want;
+              }
+        CHECK(wrong == 0);
+      }
+}
+
+TEST_CASE("predict: top-k ranks block scores whose probabilities underflow", "[gpu][predict][sanitize]") {
+  run_wide_scores_case("wide", shp(1, 2, 1, 512, 1024, 128, false));
+  run_wide_scores_case("wide-causal", shp(1, 2, 2, 1024, 1024, 64, true));
 }
 
 TEST_CASE("predict + attention: the mask predicted inside equals the explicit mask", "[gpu][predict][sanitize]") {

@@ -492,7 +492,9 @@ def select(scores: np.ndarray, st: Setting, Lq: int, Lkv: int, causal: bool) -> 
         fb = budget_forced(qb, nv, Lq, Lkv, causal, st.sink, st.window)
         nf = int(fb.sum())
         rest = np.flatnonzero(~fb)
-        order = np.concatenate([np.flatnonzero(fb), rest[np.argsort(-p[rest], kind="stable")]])
+        # the library's order: top-k ranks the float32 scores, CDF their float32 probabilities
+        key = s if st.topk is not None else p
+        order = np.concatenate([np.flatnonzero(fb), rest[np.argsort(-key[rest], kind="stable")]])
         if st.topk is not None:
             n = max(1, min(nv, int(math.floor(float(np.float32(st.topk)) * nv + 1e-4))))
             n = max(n, nf)

@@ -1,7 +1,7 @@
 // Block selection: pooled scores (float32 dot products of the float32 pooled
-// vectors), per-row softmax (float64), top-k / CDF selection with the exact tie rule (probability
-// descending, lower block index first), forced blocks, the uint8 mask and the
-// kept counts. Pipeline and costs: docs/PREDICTION.md.
+// vectors), top-k by score / CDF by the probabilities of a per-row float64 softmax, with the
+// exact tie rule (score or probability descending, lower block index first), forced blocks,
+// the uint8 mask and the kept counts. Pipeline and costs: docs/PREDICTION.md.
 #include <algorithm>
 
 #include "core/error.hpp"
@@ -119,23 +119,24 @@ __global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s
 }
 
 // ---------------------------------------------------------------- selection
-// One warp per (b, h, qb) row (up to kSelRows rows per CTA). Probabilities P
-// (float32, from a float64 softmax), then the selection threshold by a
-// bitwise search over the bit patterns of P (non-negative floats order like
-// their bit patterns):
+// One warp per (b, h, qb) row (up to kSelRows rows per CTA). Row keys order the
+// candidates: top-k ranks the float32 scores themselves (score_key: no softmax),
+// CDF the float32 probabilities P of a float64 softmax (non-negative floats order
+// like their bit patterns). Then the selection threshold by a bitwise search over
+// the keys:
 //  - top-k: weight 1 per block, target n = max(1, floor(topk * visible));
 //  - CDF: weight P in 2^-62 fixed point (exact and associative), target
 //    cdf_threshold in the same fixed point.
-// With W(t) = total weight of the blocks whose P bits are >= t, the search
+// With W(t) = total weight of the blocks whose keys are >= t, the search
 // builds t* = max { t : W(t) >= target } bit by bit from the most significant
 // one (W is monotone): one warp reduction per bit, deterministic, no sort, no
 // atomics, no contention on ties. t* lies between the row's smallest and
 // largest candidate keys, so the search starts below the leading bits those
 // two share; a top-k search stops at the first candidate t with W(t) ==
 // target (the keys >= t are then exactly the selection, as the remaining bits
-// would find). t* is the P of the last selected block in the ordering (P
-// descending, lower index first). Blocks with P > t* are kept
-// and, of the blocks with P == t*, the lowest-index ones, as many as needed to
+// would find). t* is the key of the last selected block in the ordering (key
+// descending, lower index first). Blocks with keys > t* are kept
+// and, of the blocks with key == t*, the lowest-index ones, as many as needed to
 // reach the target.
 constexpr int kSelCache = 16;  // register-cached blocks per lane (V <= 512 fully cached)
 
@@ -152,12 +153,19 @@ struct SelectArgs {
   int32_t* cnt;  // [B*Hq, nQB]
 };
 
-// Row keys: the P bit pattern + 1 for a candidate block (keys order like P), 0 for a block
-// that is not a candidate (kept beforehand as a forced block of the budget). Searches run over
-// keys >= 1 only, so non-candidates never weigh nor get selected.
+// Row keys: for a candidate block the score's order key (top-k) or the P bit pattern (CDF),
+// plus 1; 0 for a block that is not a candidate (kept beforehand as a forced block of the
+// budget). Searches run over keys >= 1 only, so non-candidates never weigh nor get selected.
 // P in units of 2^-62 (exact for P >= 2^-38; smaller P are truncated).
 __device__ __forceinline__ unsigned long long fixed62(uint32_t pbits) {
   return __float2ull_rz(__uint_as_float(pbits) * 4611686018427387904.0f);
+}
+// Top-k row key of a finite score: its float32 order as an unsigned order (negative scores
+// below positive ones, -0 as +0), plus 1 (0 marks a non-candidate). At most 0xff800000 for
+// finite scores (a non-finite row keeps every block and never reads its keys).
+__device__ __forceinline__ uint32_t score_key(float s) {
+  const uint32_t u = __float_as_uint(s == 0.f ? 0.f : s);
+  return ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) + 1u;
 }
 __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
 #pragma unroll
@@ -170,14 +178,14 @@ __device__ __forceinline__ double warp_sum_f64(double v) {
   return v;
 }
 
-// Weight of this lane's blocks with P bits >= t.
+// Weight of this lane's blocks with keys >= t.
 template <bool CDF>
 struct RowSearch {
-  uint32_t uc[kSelCache];            // P bits of blocks lane + 32 i
+  uint32_t uc[kSelCache];            // keys of blocks lane + 32 i
   unsigned long long wc[kSelCache];  // their weights (CDF only; 0 beyond V)
   int nloc;                // cached entries in use (uniform)
   int V;
-  const uint32_t* pb;      // shared: all V bit patterns (the tail beyond the cache)
+  const uint32_t* pb;      // shared: all V keys (the tail beyond the cache)
 
   // (uc and wc are 0 past the cache's entries in use and past V, and t >= 1: those never count.)
   __device__ __forceinline__ unsigned long long local(uint32_t t) const {
@@ -257,7 +265,7 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
       break;
     }
   }
-  unsigned long long need;  // ties (P == t*) to take, in index order
+  unsigned long long need;  // ties (key == t*) to take, in index order
   if (exact) {
     // keys >= tstar are the selection: as "keys > tstar - 1", no ties (tstar >= 1)
     tstar -= 1u;
@@ -284,7 +292,7 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
 }
 
 // Up to kSelRows warps per CTA (blockDim.x / 32), one row each (a head's consecutive query blocks).
-// Dynamic shared memory per warp: nKB probability bit patterns (u32) + nKB flags, rounded up to 16
+// Dynamic shared memory per warp: nKB row keys (u32) + nKB flags, rounded up to 16
 // bytes; at most kSelSmem per CTA (fewer rows per CTA for long rows).
 constexpr int kSelRows = 4;
 constexpr size_t kSelSmem = 96 * 1024;
@@ -292,6 +300,9 @@ __host__ __device__ inline size_t select_warp_smem(int64_t nKB) {
   return (size_t(nKB) * (sizeof(uint32_t) + 1) + 15) / 16 * 16;
 }
 
+// TOPK: the mode (cfg.mode) as a template argument, so that the top-k kernel carries none of the
+// softmax's registers (the float64 exponentials kept for the division) and runs more warps per SM.
+template <bool TOPK>
 __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs a, uint32_t nrows) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   extern __shared__ __align__(16) unsigned char smem[];
@@ -319,16 +330,28 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
     // sim_q is then neither read nor computed: prepare.cu)
     const bool force_row = sim_thr > 0.f && a.sim_q[size_t(bh) * nQB + qb] < sim_thr;
     const float* srow = a.scores + (size_t(bh) * nQB + qb) * size_t(nKB);
+    constexpr bool topk = TOPK;
+    // forced blocks of the budget (sink, local window, causal diagonal): kept first, their count
+    // (top-k) or probability (CDF) taken off the target, no longer candidates
+    const BudgetForced fb = budget_forced(p, cfg, qb);
     float mx = -INFINITY;
     bool nonfinite = false;
+    uint32_t fcount = 0;
     if (!force_row) {
       for (int kb = lane; kb < V; kb += 32) {
         const float sv = srow[kb];
-        pb[kb] = __float_as_uint(sv);  // stage the scores
-        mx = fmaxf(mx, sv);
         nonfinite |= !isfinite(sv);
+        if constexpr (!topk) {
+          pb[kb] = __float_as_uint(sv);  // stage the scores (CDF: probabilities below)
+          mx = fmaxf(mx, sv);
+        } else if (fb.has(kb)) {  // top-k ranks the scores themselves: their keys directly
+          sel[kb] = 1;
+          ++fcount;
+          pb[kb] = 0u;
+        } else {
+          pb[kb] = score_key(sv);
+        }
       }
-      mx = warp_max(mx);
       // NaN policy (docs/SEMANTICS.md): a row with a NaN or infinite score keeps
       // every visible block, so the selection never drops a non-finite value.
       nonfinite = __any_sync(0xffffffffu, nonfinite);
@@ -336,7 +359,13 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
     }
     if (force_row || nonfinite) {
       for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
+    } else if constexpr (topk) {
+      fcount = __reduce_add_sync(0xffffffffu, fcount);
+      const float tk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
+      const unsigned long long n = (unsigned long long)topk_count(tk, V);
+      if (n > fcount) select_row<false>(pb, V, n - fcount, sel);
     } else {
+      mx = warp_max(mx);
       // softmax over the visible entries (float64, as the CPU reference); the exponentials of
       // the first 32 kSelCache blocks are kept in registers for the division
       double tot = 0.0, ex[kSelCache];
@@ -356,10 +385,6 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
       for (int kb = lane + 32 * kSelCache; kb < V; kb += 32)
         pb[kb] = __float_as_uint(float(exp(double(__uint_as_float(pb[kb])) - double(mx)) / tot));
       __syncwarp();
-      // forced blocks of the budget (sink, local window, causal diagonal): kept first, their
-      // count (top-k) or probability (CDF) taken off the target, no longer candidates
-      const BudgetForced fb = budget_forced(p, cfg, qb);
-      uint32_t fcount = 0;
       unsigned long long fmass = 0;
       for (int kb = lane; kb < V; kb += 32) {
         const uint32_t u = pb[kb];
@@ -375,23 +400,11 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
       fcount = __reduce_add_sync(0xffffffffu, fcount);
       fmass = warp_sum_u64(fmass);
       __syncwarp();
-      unsigned long long target;
-      if (cfg.mode == SPARGE_SELECT_TOPK) {
-        const float topk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
-        const unsigned long long n = (unsigned long long)topk_count(topk, V);
-        target = n > fcount ? n - fcount : 0ull;
-      } else {
-        const float cdf = cfg.cdf_per_head ? cfg.cdf_per_head[h] : cfg.cdf_threshold;
-        const unsigned long long t = fixed62(__float_as_uint(cdf));
-        target = t > fmass ? t - fmass : 0ull;
-        if (fcount == 0 && target == 0) target = 1;  // at least one block
-      }
-      if (target > 0) {
-        if (cfg.mode == SPARGE_SELECT_TOPK)
-          select_row<false>(pb, V, target, sel);
-        else
-          select_row<true>(pb, V, target, sel);
-      }
+      const float cdf = cfg.cdf_per_head ? cfg.cdf_per_head[h] : cfg.cdf_threshold;
+      const unsigned long long t = fixed62(__float_as_uint(cdf));
+      unsigned long long target = t > fmass ? t - fmass : 0ull;
+      if (fcount == 0 && target == 0) target = 1;  // at least one block
+      if (target > 0) select_row<true>(pb, V, target, sel);
     }
     __syncwarp();
     // forced blocks outside the budget: non-compressible key blocks (self-
@@ -475,8 +488,9 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   const size_t wsm = select_warp_smem(p.nKB);
   const int rpc = int(std::max<size_t>(1, std::min<size_t>(kSelRows, kSelSmem / wsm)));
   const size_t smem = size_t(rpc) * wsm;
-  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&select_kernel), int(smem), p.device_id));
-  SPARGE_PDL_CHECK(launch_pdl(select_kernel, dim3(unsigned(ceil_div(nrows, rpc))), dim3(32 * rpc), smem, stream, se,
+  auto kern = cfg.mode == SPARGE_SELECT_TOPK ? select_kernel<true> : select_kernel<false>;
+  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(kern), int(smem), p.device_id));
+  SPARGE_PDL_CHECK(launch_pdl(kern, dim3(unsigned(ceil_div(nrows, rpc))), dim3(32 * rpc), smem, stream, se,
                               uint32_t(nrows)),
                    "sparge block selection kernel");
   return SPARGE_OK;
