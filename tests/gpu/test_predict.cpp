@@ -328,7 +328,7 @@ TEST_CASE("predict: CUDA vs CPU predictor", "[gpu][predict]") {
 }
 
 // Exact ties: key block kb of head h is a copy of block kb % G(h) (G = 4, 1, 3, ...), so a row's block
-// scores take G values, each on many blocks. The selection's tie rule (probability descending, lower
+// scores take G values, each on many blocks. The selection's tie rule (score descending, lower
 // index first) then decides most of the mask, and top-k budgets that end inside a group, at a
 // group's end or (G = 1) inside the only group exercise every exit of the threshold search. CUDA and
 // CPU masks must be equal bit for bit: identical blocks give identical scores on both.
