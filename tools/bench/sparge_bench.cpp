@@ -44,7 +44,7 @@ struct Options {
   std::vector<std::string> modes = {"dense",     "d0.5", "d0.2",       "d0.1",
                                     "predict",   "pred+attn", "fp16", "fp16sparse", "splitv",
                                     "i8f16",     "i8f16sparse"};
-  int64_t batch = 1, heads = 32;
+  int64_t batch = 1, heads = 32, kv_heads = 0;  // kv_heads 0: = heads
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
   int warmup = 3, min_iters = 10, max_iters = 100;
@@ -83,6 +83,7 @@ void usage() {
       "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16,fp16sparse,splitv,\n"
       "                    i8f16,i8f16sparse (default all)\n"
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
+      "  --kv-heads H      K/V heads (default: --heads; GQA when fewer, a divisor of --heads)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
       "  --lse             also write the LSE output\n"
       "  --warmup N (3)  --min-iters N (10)  --max-iters N (100)  --target-ms T (250)\n"
@@ -116,6 +117,8 @@ bool parse(int argc, char** argv, Options& o) {
       o.modes = split(next());
     } else if (a == "--heads") {
       o.heads = std::atoll(next().c_str());
+    } else if (a == "--kv-heads") {
+      o.kv_heads = std::atoll(next().c_str());
     } else if (a == "--batch") {
       o.batch = std::atoll(next().c_str());
     } else if (a == "--dtype") {
@@ -150,6 +153,12 @@ bool parse(int argc, char** argv, Options& o) {
     }
   }
   if (o.max_iters < o.min_iters) o.max_iters = o.min_iters;
+  if (o.kv_heads == 0) o.kv_heads = o.heads;
+  if (o.heads < 1 || o.kv_heads < 1 || o.heads % o.kv_heads != 0) {
+    std::fprintf(stderr, "--kv-heads %lld must divide --heads %lld\n", static_cast<long long>(o.kv_heads),
+                 static_cast<long long>(o.heads));
+    return false;
+  }
   return true;
 }
 
@@ -269,8 +278,8 @@ int main(int argc, char** argv) {
   std::printf("# sparge_bench: libsparge %d.%d.%d on %s (sm_%d%d, %d SMs, L2 %d MB)%s%s\n", maj, min, pat, prop.name,
               prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20, o.tag.empty() ? "" : ", ",
               o.tag.c_str());
-  std::printf("# B=%lld H=%lld dtype=%s topk=%.2f; median of per-iteration CUDA event times\n\n",
-              static_cast<long long>(o.batch), static_cast<long long>(o.heads),
+  std::printf("# B=%lld H=%lld Hkv=%lld dtype=%s topk=%.2f; median of per-iteration CUDA event times\n\n",
+              static_cast<long long>(o.batch), static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
               o.dtype == SPARGE_DTYPE_FLOAT16 ? "fp16" : "bf16", o.topk);
   std::fflush(stdout);
 
@@ -285,37 +294,38 @@ int main(int argc, char** argv) {
   for (int64_t D : o.ds)
     for (int64_t N : o.ns)
       for (int causal : o.causal) {
-        const int64_t B = o.batch, H = o.heads, nQB = (N + 127) / 128, nKB = (N + 63) / 64;
-        const size_t elems = static_cast<size_t>(B * H * N * D);
-        const size_t set_bytes = 3 * elems * 2;
+        const int64_t B = o.batch, H = o.heads, HK = o.kv_heads, nQB = (N + 127) / 128, nKB = (N + 63) / 64;
+        const size_t elems = static_cast<size_t>(B * H * N * D), elems_kv = static_cast<size_t>(B * HK * N * D);
+        const size_t set_bytes = (elems + 2 * elems_kv) * 2;
         const size_t l2 = static_cast<size_t>(std::max(prop.l2CacheSize, 1));
         int nsets = 1;
         if (set_bytes < (size_t(2) << 30))
           nsets = static_cast<int>(std::max<size_t>(2, std::min<size_t>(4, (8 * l2 + set_bytes - 1) / set_bytes)));
         std::vector<Buf> qs, ks, vs;
         for (int i = 0; i < nsets; ++i) {
-          qs.emplace_back(elems * 2), ks.emplace_back(elems * 2), vs.emplace_back(elems * 2);
+          qs.emplace_back(elems * 2), ks.emplace_back(elems_kv * 2), vs.emplace_back(elems_kv * 2);
           const uint64_t seed = mix64(static_cast<uint64_t>(N * 1000 + D * 10 + causal) ^ (i * 0x1234567ull));
           CK(bench_fill_normal(static_cast<uint16_t*>(qs.back().p), elems, seed ^ 1, 1.0f, fp16, stream));
-          CK(bench_fill_normal(static_cast<uint16_t*>(ks.back().p), elems, seed ^ 2, 1.0f, fp16, stream));
-          CK(bench_fill_normal(static_cast<uint16_t*>(vs.back().p), elems, seed ^ 3, 1.0f, fp16, stream));
+          CK(bench_fill_normal(static_cast<uint16_t*>(ks.back().p), elems_kv, seed ^ 2, 1.0f, fp16, stream));
+          CK(bench_fill_normal(static_cast<uint16_t*>(vs.back().p), elems_kv, seed ^ 3, 1.0f, fp16, stream));
         }
         Buf out(elems * 2), lse(static_cast<size_t>(B * H * N) * 4);
         const int64_t shape[4] = {B, H, N, D}, str[4] = {H * N * D, N * D, D, 1};
+        const int64_t kshape[4] = {B, HK, N, D}, kstr[4] = {HK * N * D, N * D, D, 1};
         const int64_t lsh[3] = {B, H, N}, lst[3] = {H * N, N, 1};
         const int64_t msh[4] = {B, H, nQB, nKB}, mst[4] = {H * nQB * nKB, nQB * nKB, nKB, 1};
         const int64_t ksh[2] = {B, H}, kst[2] = {H, 1};
         std::vector<sparge_tensor_t> qd, kd, vd;
         for (int i = 0; i < nsets; ++i) {
           qd.push_back(desc(qs[i].p, o.dtype, 4, shape, str));
-          kd.push_back(desc(ks[i].p, o.dtype, 4, shape, str));
-          vd.push_back(desc(vs[i].p, o.dtype, 4, shape, str));
+          kd.push_back(desc(ks[i].p, o.dtype, 4, kshape, kstr));
+          vd.push_back(desc(vs[i].p, o.dtype, 4, kshape, kstr));
         }
         const sparge_tensor_t od = desc(out.p, o.dtype, 4, shape, str);
         const sparge_tensor_t ld = desc(lse.p, SPARGE_DTYPE_FLOAT32, 3, lsh, lst);
 
         sparge_problem_t pr = SPARGE_PROBLEM_INIT;
-        pr.batch = B, pr.heads_q = H, pr.heads_kv = H, pr.len_q = N, pr.len_kv = N, pr.head_dim = D;
+        pr.batch = B, pr.heads_q = H, pr.heads_kv = HK, pr.len_q = N, pr.len_kv = N, pr.head_dim = D;
         pr.dtype = o.dtype, pr.device_type = SPARGE_DEVICE_CUDA, pr.causal = causal;
         sparge_plan_t plan8 = nullptr, plan16 = nullptr, plan_sv = nullptr, plan_if = nullptr;
         pr.precision = SPARGE_PRECISION_INT8_FP8;
@@ -560,12 +570,12 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "cannot write %s\n", o.csv.c_str());
       return 1;
     }
-    std::fprintf(f, "gpu,tag,batch,heads,N,D,causal,mode,precision,density,ms,tops_work,tops_dense_eq,ratio_own_dense,"
+    std::fprintf(f, "gpu,tag,batch,heads,kv_heads,N,D,causal,mode,precision,density,ms,tops_work,tops_dense_eq,ratio_own_dense,"
                     "iters,input_sets,target,note,host_us\n");
     for (const Row& r : rows)
-      std::fprintf(f, "\"%s\",\"%s\",%lld,%lld,%lld,%lld,%d,%s,%s,%.4f,%.4f,%.2f,%.2f,%.4f,%d,%d,\"%s\",\"%s\",%.1f\n",
+      std::fprintf(f, "\"%s\",\"%s\",%lld,%lld,%lld,%lld,%lld,%d,%s,%s,%.4f,%.4f,%.2f,%.2f,%.4f,%d,%d,\"%s\",\"%s\",%.1f\n",
                    prop.name, o.tag.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.heads),
-                   static_cast<long long>(r.N), static_cast<long long>(r.D), r.causal, r.mode.c_str(),
+                   static_cast<long long>(o.kv_heads), static_cast<long long>(r.N), static_cast<long long>(r.D), r.causal, r.mode.c_str(),
                    r.precision.c_str(), r.density, r.ms, r.tops_work, r.tops_dense, r.ratio, r.iters, r.sets,
                    r.target.c_str(), r.note.c_str(), r.host_us);
     std::fclose(f);
