@@ -144,6 +144,7 @@ def predict(q, k, *, topk=0.5, mode="topk", cdf=0.9, sim_threshold=-0.1, smooth_
                 p /= p.sum()
                 fb = budget_forced(qb, nv, Lq, Lkv, bq, bk, causal, sink, window)
                 nf = int(fb.sum())
+                # (in float64 the probabilities order like the scores, which top-k ranks: docs/SEMANTICS.md)
                 order = sorted(range(nv), key=lambda j: (not fb[j], 0.0 if fb[j] else -p[j], j))
                 if mode == "topk":
                     # topk crosses the ABI as a float32 (0.9 arrives as 0.89999998)
