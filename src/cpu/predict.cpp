@@ -101,7 +101,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   float* sim_q = ws_ptr<float>(workspace, ws.sim_q);
   float* pooled_k = ws_ptr<float>(workspace, ws.pooled_k);
   float* sim_k = ws_ptr<float>(workspace, ws.sim_k);
-  float* probs = ws_ptr<float>(workspace, ws.scores);  // the rows' selection keys (scores or probabilities)
+  float* probs = ws_ptr<float>(workspace, ws.scores);
   int32_t* kept_ws = ws_ptr<int32_t>(workspace, ws.kept);
 
   // 1-2. K smoothing, pooled smoothed K and its self-similarity, per kv head.
@@ -196,9 +196,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           // also where their probabilities would round to equal float32 values or to 0) and
           // the float32 probability (softmax of the row in float64) for CDF.
           const bool topk_mode = cfg.mode == SPARGE_SELECT_TOPK;
-          if (topk_mode) {
-            for (int64_t kb = 0; kb < vis; ++kb) P[kb] = float(e[size_t(kb)]);
-          } else {
+          if (!topk_mode) {  // (e holds the float32 scores, which top-k ranks as they are)
             double tot = 0.0;
             for (int64_t kb = 0; kb < vis; ++kb) {
               e[size_t(kb)] = std::exp(e[size_t(kb)] - mx);
@@ -213,7 +211,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           std::stable_sort(order.begin(), order.begin() + vis, [&](int64_t a, int64_t c) {
             const bool fa = fb.has(a), fc = fb.has(c);
             if (fa != fc) return fa;
-            return !fa && P[a] > P[c];
+            return !fa && (topk_mode ? e[size_t(a)] > e[size_t(c)] : P[a] > P[c]);
           });
           int64_t n = 0;
           if (topk_mode) {

@@ -330,7 +330,6 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
     // sim_q is then neither read nor computed: prepare.cu)
     const bool force_row = sim_thr > 0.f && a.sim_q[size_t(bh) * nQB + qb] < sim_thr;
     const float* srow = a.scores + (size_t(bh) * nQB + qb) * size_t(nKB);
-    constexpr bool topk = TOPK;
     // forced blocks of the budget (sink, local window, causal diagonal): kept first, their count
     // (top-k) or probability (CDF) taken off the target, no longer candidates
     const BudgetForced fb = budget_forced(p, cfg, qb);
@@ -341,7 +340,7 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
       for (int kb = lane; kb < V; kb += 32) {
         const float sv = srow[kb];
         nonfinite |= !isfinite(sv);
-        if constexpr (!topk) {
+        if constexpr (!TOPK) {
           pb[kb] = __float_as_uint(sv);  // stage the scores (CDF: probabilities below)
           mx = fmaxf(mx, sv);
         } else if (fb.has(kb)) {  // top-k ranks the scores themselves: their keys directly
@@ -359,7 +358,7 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
     }
     if (force_row || nonfinite) {
       for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
-    } else if constexpr (topk) {
+    } else if constexpr (TOPK) {
       fcount = __reduce_add_sync(0xffffffffu, fcount);
       const float tk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
       const unsigned long long n = (unsigned long long)topk_count(tk, V);
