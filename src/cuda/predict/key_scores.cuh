@@ -222,8 +222,13 @@ struct TileLoader {
 // is this thread's raw dot product of row gq + 8r with key 8n + 2tq + e (n < 8), the quad (4 lanes,
 // tq = lane & 3) holding the row. lim: the row sees keys 0..lim of the tile (< 0: none, nothing is
 // written). fac = scale * 2^-s, f2 = fac * log2(e). MASK: some key of the tile may be past lim.
-// The row's max m over its raw accumulators (scale > 0: the order of the scores; a NaN is ignored
-// here and reaches the sum), then 2^(acc f2 - m f2) (ex2.approx) and m fac + ln(sum).
+// First without a maximum: sum = sum_j 2^(acc_j f2) (ex2.approx), block score ln(sum), taken where
+// the sum of every row of the warp that sees a key lies in [2^-100, 2^100] (block scores within
+// about +-69); the rounding of acc_j f2 is then at most 2^-24 |acc_j f2|, an error that scales with
+// the score itself, and the terms that ex2.approx.ftz flushes (below 2^-126) weigh less than 2^-20
+// of the sum. Otherwise (a larger score, NaN or infinite scores, a block of -inf) the warp takes
+// the row again with its maximum m over the raw accumulators (scale > 0: the order of the scores; a
+// NaN is ignored there and reaches the sum): 2^(acc f2 - m f2) and m fac + ln(sum).
 template <bool MASK, class Acc>
 __device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, int32_t lim, float fac, float f2,
                                                float* out) {
@@ -236,7 +241,22 @@ __device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, in
       const float x = acc(n, 2 * r + e);
       v[2 * n + e] = MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : x;
     }
-  // max and sum as trees (4 dependent steps instead of 16)
+  // sums as trees (4 dependent steps instead of 16)
+  float st[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) st[i] = attn::fast_exp2(v[i] * f2) + attn::fast_exp2(v[i + 8] * f2);
+#pragma unroll
+  for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+    for (int i = 0; i < w; ++i) st[i] += st[i + w];
+  float sum = st[0];
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  const bool in_range = lim < 0 || (sum >= 0x1p-100f && sum <= 0x1p100f);  // false for NaN
+  if (__all_sync(0xffffffffu, in_range)) {
+    if (tq == 0 && lim >= 0) *out = __log2f(sum) * kLn2;
+    return;
+  }
   float mt[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) mt[i] = fmaxf(v[i], v[i + 8]);
@@ -249,7 +269,6 @@ __device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, in
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
   // m == -inf: every visible term is -inf (weight 0) or NaN (stays NaN); no inf - inf
   const float mb = m == -INFINITY ? 0.f : m * f2;
-  float st[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     st[i] = attn::fast_exp2(fmaf(v[i], f2, -mb)) + attn::fast_exp2(fmaf(v[i + 8], f2, -mb));
@@ -257,7 +276,7 @@ __device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, in
   for (int w = 4; w > 0; w >>= 1)
 #pragma unroll
     for (int i = 0; i < w; ++i) st[i] += st[i + w];
-  float sum = st[0];
+  sum = st[0];
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);
   sum += __shfl_xor_sync(0xffffffffu, sum, 2);
   if (tq == 0 && lim >= 0) *out = fmaf(m, fac, __log2f(sum) * kLn2);

@@ -144,6 +144,39 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
   block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q ? a.sim_q + blk : nullptr);
 }
 
+// The pooled means alone (prediction only with KEYS_LSE and no forcing: no quantization, no
+// self-similarity, no column statistics): q_pass's pooling without the quantization's registers,
+// so that more CTAs per SM keep more of Q in flight (this pass is a read of Q at DRAM bandwidth).
+template <int D>
+constexpr int pool_min_blocks() {
+  return D <= 128 ? 4 : 2;
+}
+
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(kThreads, pool_min_blocks<D>()) pool_q_kernel(const __grid_constant__ QArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI;
+  __shared__ __align__(16) float red[(kThreads / 32) * D];
+  const uint32_t cta = blockIdx.x;
+  const uint32_t qb = cta % uint32_t(a.nQB), bh = cta / uint32_t(a.nQB);
+  const uint32_t b = bh / uint32_t(a.Hq), h = bh % uint32_t(a.Hq);
+  const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
+  const int64_t row0 = block_row0(qb, kGpuBlockQ);
+  uint4 raw[ITER];
+  load_rows8<ITER, RPI, T, VEC>(a.q, b, h, row0, lr, cg, a.Lq, a.d_in, raw);
+  float ps[8], us[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) ps[c] = 0.f, us[c] = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITER; ++it) {
+    float x[8];
+    unpack8<T>(raw[it], x);  // rows past Lq are zeros
+    pool_row<TPR>(x, ps, us, false);
+  }
+  const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
+  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + (int64_t(bh) * a.nQB + qb) * D, nullptr);
+}
+
 // ---------------------------------------------------------------- K pass
 struct KArgs {
   Tensor4 k;
@@ -525,7 +558,14 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   const bool vec = vec_ok(q) && vec_ok(k) && (!do_v || vec_ok(*v));
   if (A.n_col > 0 && zero_tickets)
     SPARGE_CUDA_TRY(cudaMemsetAsync(A.col.ticks, 0, size_t(bhk) * sizeof(uint64_t), stream));
-  if (na > 0) {
+  if (na > 0 && na == A.n_q && !quant && A.q.sim_q == nullptr) {  // pooled Q means alone
+    cudaError_t err = cudaSuccess;
+    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
+      err = launch_pdl(pool_q_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
+                       dim3(unsigned(na)), dim3(kThreads), 0, stream, A.q);
+    });
+    SPARGE_PDL_CHECK(err, "sparge pooled-query kernel");
+  } else if (na > 0) {
     cudaError_t err = cudaSuccess;
     dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
       err = launch_pdl(stage_a_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
