@@ -487,7 +487,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     A.n_col = uint32_t(bhk * nchunk);
   }
   {  // Q pass
-    QArgs qa;
+    QArgs qa{};
     qa.q = q;
     qa.d_in = int(p.D);
     qa.Hq = p.Hq, qa.Hkv = p.Hkv, qa.group = p.group(), qa.Lq = p.Lq, qa.nQB = p.nQB;

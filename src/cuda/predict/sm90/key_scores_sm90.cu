@@ -31,16 +31,20 @@ using ks::kKeys;
 
 constexpr int kKCol = kKeys * 128;  // bytes per 64-column block of a K tile
 
-template <int DK, int WG>
+// DEEP (one warpgroup, Dk = 128): 3 CTAs per SM of 4 stages instead of 4 of 3; the register cap
+// rises from 128 to 168, so that nothing spills (at 4 CTAs, 196 KB of shared memory leave the spill
+// loads too little L1: they miss and go to L2), and two tiles load during a step.
+template <int DK, int WG, bool DEEP = false>
 struct Ks90 {
   static_assert(DK == 64 || DK == 128, "wgmma block scores: Dk 64 or 128");
   static_assert(WG == 1 || WG == 2, "one or two warpgroups per CTA");
+  static_assert(!DEEP || (WG == 1 && DK == 128), "DEEP: one warpgroup, Dk = 128");
   static constexpr int kThreads = 128 * WG;
   static constexpr int kRowsCta = 64 * WG;
   static constexpr int kStageBytes = (DK / 64) * kKCol;  // 8 KB / 16 KB
-  // kStages - 2 tiles loading during a step; 2 CTAs per SM of two warpgroups, 4 of one
-  static constexpr int kStages = (WG == 2 || DK == 64) ? 4 : 3;
-  static constexpr int kMinBlocks = WG == 2 ? 2 : 4;
+  // kStages - 2 tiles loading during a step; 2 CTAs per SM of two warpgroups, 4 of one (3 DEEP)
+  static constexpr int kStages = (WG == 2 || DK == 64 || DEEP) ? 4 : 3;
+  static constexpr int kMinBlocks = WG == 2 ? 2 : DEEP ? 3 : 4;
   // 1024-byte aligned stages (the swizzle pattern repeats every 8 rows of 128 bytes)
   static constexpr int kSmem = 1024 + kStages * kStageBytes;
 };
@@ -72,12 +76,12 @@ __device__ __forceinline__ void reduce_tile(const float (&d)[32], const Rows90& 
                              rw.f2[r], scores + rw.srow[r] + tile);
 }
 
-template <int DK, class T, int WG, bool VEC>
-__global__ void __launch_bounds__(Ks90<DK, WG>::kThreads, Ks90<DK, WG>::kMinBlocks)
+template <int DK, class T, int WG, bool VEC, bool DEEP>
+__global__ void __launch_bounds__(Ks90<DK, WG, DEEP>::kThreads, Ks90<DK, WG, DEEP>::kMinBlocks)
     key_scores_wgmma_kernel(const ks::Args a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tr = Ks90<DK, WG>;
+  using Tr = Ks90<DK, WG, DEEP>;
   constexpr int S = Tr::kStages;
   extern __shared__ __align__(128) unsigned char ks_smem[];
   const Problem& p = a.prob;
@@ -181,23 +185,27 @@ __global__ void __launch_bounds__(Ks90<DK, WG>::kThreads, Ks90<DK, WG>::kMinBloc
 
 namespace ks {
 
+// CTAs of rows_per_cta rows and `tiles` key tiles that have a visible tile (the others exit at once).
+static int64_t active_ctas(const Args& a, int rows_per_cta, int tiles) {
+  const Problem& p = a.prob;
+  const int64_t row_ctas = ceil_div(a.rows, rows_per_cta);
+  const int64_t g = p.Hq / p.Hkv;
+  int64_t active = 0;
+  for (int64_t rc = 0; rc < row_ctas; ++rc) {
+    const int64_t last = std::min(a.rows, (rc + 1) * rows_per_cta) - 1;
+    active += ceil_div(visible_key_blocks(p, last / g), int64_t(tiles));
+  }
+  return active * p.B * p.Hkv;
+}
+
 // Key tiles per CTA: the most (up to kTiles, at least 4) that still fill the GPU's CTA slots in
 // whole waves (active CTAs / slots at >= 90 % of the next whole number, or >= 8 waves), so that
 // short or causal problems, whose CTAs would otherwise leave SMs idle in the last wave, run on
 // more, shorter CTAs. A CTA with no visible tile exits at once and is not counted.
 static int choose_tiles(const Args& a, int rows_per_cta, int slots) {
-  const Problem& p = a.prob;
-  const int64_t row_ctas = ceil_div(a.rows, rows_per_cta);
-  const int64_t g = p.Hq / p.Hkv;
   int tiles = kTiles;
   for (; tiles > 4; tiles /= 2) {
-    int64_t active = 0;
-    for (int64_t rc = 0; rc < row_ctas; ++rc) {
-      const int64_t last = std::min(a.rows, (rc + 1) * rows_per_cta) - 1;
-      active += ceil_div(visible_key_blocks(p, last / g), int64_t(tiles));
-    }
-    active *= p.B * p.Hkv;
-    const double waves = double(active) / double(std::max(slots, 1));
+    const double waves = double(active_ctas(a, rows_per_cta, tiles)) / double(std::max(slots, 1));
     if (waves >= 8.0 || waves >= 0.9 * std::ceil(waves)) break;
   }
   return tiles;
@@ -208,18 +216,20 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, int sms, cudaStream_t s
   *ran = false;
   sparge_status_t st = SPARGE_OK;
   cudaError_t err = cudaSuccess;
-  // One warpgroup per CTA (64 rows, 4 CTAs per SM) where it measured faster: Dk = 64, causal (a
-  // CTA's tiles end at its own rows' extent, so fewer tiles past a row's extent are multiplied),
-  // and problems of at most 64 rows per kv head (a second warpgroup would multiply padding rows);
-  // two (128 rows: K read from L2 half as often) for non-causal Dk = 128 (docs/PERF-NOTES.md v38).
+  // One warpgroup per CTA (64 rows, 4 CTAs per SM, or 3 DEEP) where it measured faster: Dk = 64,
+  // causal (a CTA's tiles end at its own rows' extent, so fewer tiles past a row's extent are
+  // multiplied), and problems of at most 64 rows per kv head (a second warpgroup would multiply
+  // padding rows); two (128 rows: K read from L2 half as often) for non-causal Dk = 128
+  // (docs/PERF-NOTES.md v38, v42).
   dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
     constexpr int DK = decltype(dc)::value;
     using T = typename decltype(tt)::type;
     if constexpr (DK == 64 || DK == 128) {
-      auto run = [&](auto wgc) {
+      auto run = [&](auto wgc, auto deepc) {
         constexpr int WG = decltype(wgc)::value;
-        using Tr = Ks90<DK, WG>;
-        auto kern = vec ? key_scores_wgmma_kernel<DK, T, WG, true> : key_scores_wgmma_kernel<DK, T, WG, false>;
+        constexpr bool DEEP = decltype(deepc)::value;
+        using Tr = Ks90<DK, WG, DEEP>;
+        auto kern = vec ? key_scores_wgmma_kernel<DK, T, WG, true, DEEP> : key_scores_wgmma_kernel<DK, T, WG, false, DEEP>;
         const int64_t row_ctas = ceil_div(a.rows, Tr::kRowsCta);
         const int tiles = choose_tiles(a, Tr::kRowsCta, sms * Tr::kMinBlocks);
         const int64_t key_ctas = ceil_div(p.nKB, int64_t(tiles));
@@ -235,10 +245,25 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, int sms, cudaStream_t s
         if (st == SPARGE_OK) err = launch_pdl(kern, dim3(unsigned(n)), dim3(Tr::kThreads), size_t(Tr::kSmem), stream, a);
       };
       *ran = true;
-      if (DK == 64 || p.causal || a.rows <= 64)
-        run(std::integral_constant<int, 1>{});
-      else if constexpr (DK == 128)
-        run(std::integral_constant<int, 2>{});
+      using I1 = std::integral_constant<int, 1>;
+      using I2 = std::integral_constant<int, 2>;
+      if constexpr (DK == 128) {
+        if (p.causal && a.rows > 64) {
+          // DEEP where the problem fills at least two whole waves of its 3 CTAs per SM with
+          // kTiles-tile CTAs (32K: 1280 CTAs on 396 slots, 165 -> 154 us); shorter problems keep
+          // 4 CTAs per SM, whose extra slots they need (8K: 28 us, 39 DEEP)
+          if (active_ctas(a, 64, kTiles) >= 2 * int64_t(sms) * Ks90<DK, 1, true>::kMinBlocks)
+            run(I1{}, std::true_type{});
+          else
+            run(I1{}, std::false_type{});
+        } else if (a.rows <= 64) {
+          run(I1{}, std::false_type{});
+        } else {
+          run(I2{}, std::false_type{});
+        }
+      } else {
+        run(I1{}, std::false_type{});
+      }
     }
   });
   SPARGE_TRY(st);
