@@ -16,9 +16,10 @@
 // and the per-row factor scale * 2^-s (exact) undoes the scaling. This is the CPU reference's
 // function (src/cpu/predict.cpp) up to the float32 accumulation: the rounding of q itself, a
 // relative error of at most 2^-8 (bf16) or 2^-11 (fp16) per entry, is part of the definition, not
-// an error against it. The factor is folded into the exponentials: the row's max m over its raw
-// accumulators (scale > 0), then 2^(acc * f - m * f) with f = scale * 2^-s * log2(e) (ex2.approx,
-// relative error ~2^-22), and the block score m * scale * 2^-s + ln(sum).
+// an error against it. The factor is folded into the exponentials, f = scale * 2^-s * log2(e):
+// first ln(sum 2^(acc * f)) (ex2.approx, relative error ~2^-22), kept where every row sum of the
+// warp is in [2^-100, 2^100]; otherwise the row's max m over its raw accumulators (scale > 0),
+// 2^(acc * f - m * f) and m * scale * 2^-s + ln(sum) (ks::tile_row_score).
 //
 // Non-finite values (docs/SEMANTICS.md, "Non-finite values"): a NaN key score (a NaN in k or in
 // the pooled row, or 0 * inf) makes the block score NaN, and a +Inf one makes it NaN too
@@ -36,9 +37,9 @@
 // consecutive 16-row MMA tiles (Dk <= 128: 2, so 4 warps; Dk = 256: 1, 8 warps): their A
 // fragments stay in registers for the whole key range, and every B fragment of K (ldmatrix from an
 // XOR-swizzled tile) feeds kMt MMAs. Per tile a warp computes the whole 16 kMt x 64 score tile in
-// registers (Dk/16 k-steps x 8 n-tiles per row tile), takes each row's max over the 4 lanes of its
-// quad, sums the exponentials (max and sum as trees) and merges the sums over the quad: no running
-// state across tiles.
+// registers (Dk/16 k-steps x 8 n-tiles per row tile), sums each row's exponentials (as a tree) and
+// merges the sums over the 4 lanes of its quad (the max-shifted pass where a sum is out of range):
+// no running state across tiles.
 // Tiles that every row of the warp sees whole skip the masking. With causality a warp skips the
 // tiles past its rows' extent, and the tiles past the extent of its first row tile multiply the
 // second one only (the CTA loads them for its other warps). CTAs are ordered row chunk fastest, so
