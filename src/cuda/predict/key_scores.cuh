@@ -241,17 +241,22 @@ __device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, in
       const float x = acc(n, 2 * r + e);
       v[2 * n + e] = MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : x;
     }
-  // sums as trees (4 dependent steps instead of 16)
-  float st[8];
+  // the row's sum of 2^(v f2 - mb) over the quad, as a tree (4 dependent steps instead of 16)
+  auto row_sum = [&](float mb) {
+    float st[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) st[i] = attn::fast_exp2(v[i] * f2) + attn::fast_exp2(v[i + 8] * f2);
+    for (int i = 0; i < 8; ++i)
+      st[i] = attn::fast_exp2(fmaf(v[i], f2, -mb)) + attn::fast_exp2(fmaf(v[i + 8], f2, -mb));
 #pragma unroll
-  for (int w = 4; w > 0; w >>= 1)
+    for (int w = 4; w > 0; w >>= 1)
 #pragma unroll
-    for (int i = 0; i < w; ++i) st[i] += st[i + w];
-  float sum = st[0];
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      for (int i = 0; i < w; ++i) st[i] += st[i + w];
+    float sum = st[0];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    return sum;
+  };
+  float sum = row_sum(0.f);
   const bool in_range = lim < 0 || (sum >= 0x1p-100f && sum <= 0x1p100f);  // false for NaN
   if (__all_sync(0xffffffffu, in_range)) {
     if (tq == 0 && lim >= 0) *out = __log2f(sum) * kLn2;
@@ -268,17 +273,7 @@ __device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, in
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
   // m == -inf: every visible term is -inf (weight 0) or NaN (stays NaN); no inf - inf
-  const float mb = m == -INFINITY ? 0.f : m * f2;
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    st[i] = attn::fast_exp2(fmaf(v[i], f2, -mb)) + attn::fast_exp2(fmaf(v[i + 8], f2, -mb));
-#pragma unroll
-  for (int w = 4; w > 0; w >>= 1)
-#pragma unroll
-    for (int i = 0; i < w; ++i) st[i] += st[i + w];
-  sum = st[0];
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  sum = row_sum(m == -INFINITY ? 0.f : m * f2);
   if (tq == 0 && lim >= 0) *out = fmaf(m, fac, __log2f(sum) * kLn2);
 }
 

@@ -93,8 +93,9 @@ struct PassSmem {
   float fred[32];
 };
 
-// CTA `cta` of one per (b, h, 128-row query block).
-template <int D, class T, bool VEC>
+// CTA `cta` of one per (b, h, 128-row query block). POOL_ONLY: the pooled means alone (no
+// quantization, no self-similarity), compiled without the quantization's registers (pool_q_kernel).
+template <int D, class T, bool VEC, bool POOL_ONLY = false>
 __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>& sm) {
   constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI;
   float* red = sm.red;
@@ -108,7 +109,9 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
   float mu[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) mu[c] = 0.f;
-  const bool shift = a.quant && a.lse_shift;
+  const bool quant = !POOL_ONLY && a.quant, pool = POOL_ONLY || a.pool;
+  const bool sim = !POOL_ONLY && a.sim_q != nullptr;
+  const bool shift = quant && a.lse_shift;
   if (shift && a.smooth) load_f8(a.k_mean + bhk * D + cg * 8, mu);
 
   float ps[8], us[8];
@@ -120,8 +123,8 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
     const int64_t row = row0 + it * RPI + lr;
     float x[8];
     unpack8<T>(raw[it], x);  // rows past Lq are zeros
-    if (a.pool) pool_row<TPR>(x, ps, us, a.sim_q != nullptr);
-    if (a.quant) {
+    if (pool) pool_row<TPR>(x, ps, us, sim);
+    if (quant) {
       float am = 0.f;
 #pragma unroll
       for (int c = 0; c < 8; ++c) am = max_nan(am, fabsf(x[c]));
@@ -138,43 +141,10 @@ __device__ __forceinline__ void q_pass(const QArgs& a, uint32_t cta, PassSmem<D>
       }
     }
   }
-  if (!a.pool) return;
+  if (!pool) return;
   const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
   const int64_t blk = bh * a.nQB + qb;
-  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + blk * D, a.sim_q ? a.sim_q + blk : nullptr);
-}
-
-// The pooled means alone (prediction only with KEYS_LSE and no forcing: no quantization, no
-// self-similarity, no column statistics): q_pass's pooling without the quantization's registers,
-// so that more CTAs per SM keep more of Q in flight (this pass is a read of Q at DRAM bandwidth).
-template <int D>
-constexpr int pool_min_blocks() {
-  return D <= 128 ? 4 : 2;
-}
-
-template <int D, class T, bool VEC>
-__global__ void __launch_bounds__(kThreads, pool_min_blocks<D>()) pool_q_kernel(const __grid_constant__ QArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
-  constexpr int TPR = D / 8, RPI = kThreads / TPR, ITER = kGpuBlockQ / RPI;
-  __shared__ __align__(16) float red[(kThreads / 32) * D];
-  const uint32_t cta = blockIdx.x;
-  const uint32_t qb = cta % uint32_t(a.nQB), bh = cta / uint32_t(a.nQB);
-  const uint32_t b = bh / uint32_t(a.Hq), h = bh % uint32_t(a.Hq);
-  const int tid = threadIdx.x, lr = tid / TPR, cg = tid % TPR;
-  const int64_t row0 = block_row0(qb, kGpuBlockQ);
-  uint4 raw[ITER];
-  load_rows8<ITER, RPI, T, VEC>(a.q, b, h, row0, lr, cg, a.Lq, a.d_in, raw);
-  float ps[8], us[8];
-#pragma unroll
-  for (int c = 0; c < 8; ++c) ps[c] = 0.f, us[c] = 0.f;
-#pragma unroll
-  for (int it = 0; it < ITER; ++it) {
-    float x[8];
-    unpack8<T>(raw[it], x);  // rows past Lq are zeros
-    pool_row<TPR>(x, ps, us, false);
-  }
-  const int n = int(min(int64_t(kGpuBlockQ), a.Lq - row0));
-  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + (int64_t(bh) * a.nQB + qb) * D, nullptr);
+  block_pool_finish<D, TPR, kThreads>(ps, us, n, red, a.pooled_q + blk * D, sim ? a.sim_q + blk : nullptr);
 }
 
 // ---------------------------------------------------------------- K pass
@@ -372,6 +342,21 @@ __global__ void __launch_bounds__(kThreads, 3) stage_a_kernel(const __grid_const
   lists::mask_to_lists(a.lists, cta);
 }
 
+// Stage A when it is the Q pass's pooled means alone (prediction only with KEYS_LSE and no forcing: no
+// quantization, no self-similarity, no column statistics, no lists): more CTAs per SM keep more of
+// Q in flight (the pass is a read of Q at DRAM bandwidth).
+template <int D>
+constexpr int pool_min_blocks() {
+  return D <= 128 ? 4 : 2;
+}
+
+template <int D, class T, bool VEC>
+__global__ void __launch_bounds__(kThreads, pool_min_blocks<D>()) pool_q_kernel(const __grid_constant__ StageA a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  __shared__ __align__(16) unsigned char raw[sizeof(PassSmem<D>)];
+  q_pass<D, T, VEC, true>(a.q, blockIdx.x, *reinterpret_cast<PassSmem<D>*>(raw));
+}
+
 template <int D, class T, bool VEC>
 __global__ void __launch_bounds__(kThreads, 3) stage_b_kernel(const __grid_constant__ StageB a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
@@ -558,20 +543,17 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   const bool vec = vec_ok(q) && vec_ok(k) && (!do_v || vec_ok(*v));
   if (A.n_col > 0 && zero_tickets)
     SPARGE_CUDA_TRY(cudaMemsetAsync(A.col.ticks, 0, size_t(bhk) * sizeof(uint64_t), stream));
-  if (na > 0 && na == A.n_q && !quant && A.q.sim_q == nullptr) {  // pooled Q means alone
+  if (na > 0) {
+    const bool pool_only = na == A.n_q && !quant && A.q.sim_q == nullptr;
     cudaError_t err = cudaSuccess;
     dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      err = launch_pdl(pool_q_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
-                       dim3(unsigned(na)), dim3(kThreads), 0, stream, A.q);
+      constexpr int D = decltype(dc)::value;
+      using T = typename decltype(tt)::type;
+      constexpr bool VEC = decltype(vc)::value;
+      err = launch_pdl(pool_only ? pool_q_kernel<D, T, VEC> : stage_a_kernel<D, T, VEC>, dim3(unsigned(na)),
+                       dim3(kThreads), 0, stream, A);
     });
-    SPARGE_PDL_CHECK(err, "sparge pooled-query kernel");
-  } else if (na > 0) {
-    cudaError_t err = cudaSuccess;
-    dispatch_pass(p, vec, [&](auto dc, auto tt, auto vc) {
-      err = launch_pdl(stage_a_kernel<decltype(dc)::value, typename decltype(tt)::type, decltype(vc)::value>,
-                       dim3(unsigned(na)), dim3(kThreads), 0, stream, A);
-    });
-    SPARGE_PDL_CHECK(err, "sparge preparation kernel (stage A)");
+    SPARGE_PDL_CHECK(err, pool_only ? "sparge pooled-query kernel" : "sparge preparation kernel (stage A)");
   }
   if (nb > 0) {
     const size_t smem = B.n_ord > 0 ? size_t(B.ord.nbins) * sizeof(int) : 0;

@@ -252,7 +252,8 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, int sms, cudaStream_t s
           // DEEP where the problem fills at least two whole waves of its 3 CTAs per SM with
           // kTiles-tile CTAs (32K: 1280 CTAs on 396 slots, 165 -> 154 us); shorter problems keep
           // 4 CTAs per SM, whose extra slots they need (8K: 28 us, 39 DEEP)
-          if (active_ctas(a, 64, kTiles) >= 2 * int64_t(sms) * Ks90<DK, 1, true>::kMinBlocks)
+          using Deep = Ks90<DK, 1, true>;
+          if (active_ctas(a, Deep::kRowsCta, kTiles) >= 2 * int64_t(sms) * Deep::kMinBlocks)
             run(I1{}, std::true_type{});
           else
             run(I1{}, std::false_type{});
