@@ -317,9 +317,10 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   DeviceGuard guard;
   SPARGE_TRY(guard.enter(plan.prob.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  bool kept_zeroed = false;
   SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
-                          /*lse_shift=*/false));
-  SPARGE_TRY(launch_select(plan, cfg, mask_out, kept, workspace, s));
+                          /*lse_shift=*/false, nullptr, /*zero_tickets=*/true, kept, &kept_zeroed));
+  SPARGE_TRY(launch_select(plan, cfg, mask_out, kept, workspace, s, /*lists_too=*/false, kept_zeroed));
   return SPARGE_OK;
 }
 
@@ -337,21 +338,24 @@ sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   const bool predict_here = (mask == nullptr);
   // With the caller's mask, the 8-bit preparation's launches also build its index lists.
   bool lists_done = false;
+  // the selection's counters: the workspace's (reset by the block-score kernel where one runs)
+  KeptView wk;
+  wk.data = ws_ptr<int32_t>(workspace, L.kept);
+  wk.stride[0] = p.Hq;
+  wk.stride[1] = 1;
+  bool kept_zeroed = false;
   if (p.quantized()) {
     SPARGE_TRY(prepare_impl(plan, q, k, p.fp8_pv() ? &v : nullptr, cfg, workspace, s, /*quantize=*/true,
-                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr, /*lists_mask=*/mask, first));
+                            /*pool=*/predict_here, /*lse_shift=*/lse != nullptr, /*lists_mask=*/mask, first, &wk,
+                            &kept_zeroed));
     lists_done = mask != nullptr;
   } else if (predict_here)
     SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
-                            /*lse_shift=*/false, nullptr, first));
+                            /*lse_shift=*/false, nullptr, first, &wk, &kept_zeroed));
 
   if (mask == nullptr) {
     const MaskView wm = workspace_mask(p, workspace, L.mask);
-    KeptView wk;
-    wk.data = ws_ptr<int32_t>(workspace, L.kept);
-    wk.stride[0] = p.Hq;
-    wk.stride[1] = 1;
-    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s, /*lists_too=*/true));
+    SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s, /*lists_too=*/true, kept_zeroed));
     SPARGE_TRY(launch_work_order(plan, workspace, s));
   } else if (!lists_done) {
     SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));

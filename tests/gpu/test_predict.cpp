@@ -319,6 +319,9 @@ TEST_CASE("predict: CUDA vs CPU predictor", "[gpu][predict]") {
       {"p-L4097", shp(1, 2, 2, 4097, 4097, 128, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false},
       {"p-L1000-d96", shp(1, 4, 2, 1000, 1000, 96, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false},
       {"p-L1000-d256", shp(1, 2, 2, 1000, 1000, 256, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, true},
+      // causal rows of 2..320 key blocks: every register-cache size of the selection (4, 8, 16
+      // entries per lane), 16-byte mask rows (nKB = 320)
+      {"p-L20480-causal", shp(1, 4, 2, 20480, 20480, 64, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false},
   };
   bool first = true;
   for (const PredCase& c : cases) {
@@ -580,12 +583,7 @@ bool scores_near_tie(std::vector<double> sc, double tol) {
 // neighbouring 16-bit value (the CPU's entry within 2^-16 of the mean |q| of a rounding boundary),
 // the tie tolerance grows by the largest score move that causes; a row whose fp16 scaling exponent is
 // that close to a power of two counts as a tie.
-TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][keys_lse][sanitize]") {
-  const PredCase cases[] = {
-      {"lse-causal-gqa", shp(1, 4, 2, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true},
-      {"lse-cross", shp(1, 2, 2, 300, 1100, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false},
-      {"lse-Lq-gt-Lkv", shp(1, 2, 1, 700, 333, 64, true), Layout::HND_PAD, SPARGE_DTYPE_BFLOAT16, false},
-  };
+static void run_keys_lse_cases(const std::vector<PredCase>& cases) {
   for (const PredCase& c : cases) {
     const uint64_t seed = case_seed(std::string(c.name));
     const Inputs in = make_inputs(c.s, c.layout, c.dtype, c.outliers, seed);
@@ -602,6 +600,15 @@ TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][
       REQUIRE(cp.status == SPARGE_OK);
       CHECK(g.kept.size() == cp.kept.size());
       const int64_t nQB = c.s.nQB(), nKB = c.s.nKB(), D = c.s.D, g_ = c.s.group();
+      // the kept counts are the GPU mask's own (the block-score kernel resets the poisoned
+      // counters that the selection adds to)
+      int64_t kept_bad = 0;
+      for (int64_t h = 0; h < c.s.Hq; ++h) {
+        int64_t n = 0;
+        for (size_t i = size_t(h * nQB * nKB); i < size_t((h + 1) * nQB * nKB); ++i) n += g.mask[i] != 0;
+        kept_bad += g.kept[size_t(h)] != n;
+      }
+      CHECK(kept_bad == 0);
       const double scale = static_cast<double>(static_cast<float>(c.s.scale()));
       int64_t bad = 0, ties = 0;
       for (int64_t h = 0; h < c.s.Hq; ++h)
@@ -651,6 +658,20 @@ TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][
       if (ties) WARN(c.name << ": " << ties << " near-tie rows differ");
     }
   }
+}
+
+TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][keys_lse][sanitize]") {
+  run_keys_lse_cases({
+      {"lse-causal-gqa", shp(1, 4, 2, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true},
+      {"lse-cross", shp(1, 2, 2, 300, 1100, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false},
+      {"lse-Lq-gt-Lkv", shp(1, 2, 1, 700, 333, 64, true), Layout::HND_PAD, SPARGE_DTYPE_BFLOAT16, false},
+  });
+}
+
+// Causal rows of 2..320 key blocks: every register-cache size of the selection and 16-byte mask rows.
+TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor, long causal rows", "[gpu][predict][keys_lse]") {
+  run_keys_lse_cases({{"lse-L20480-causal", shp(1, 4, 2, 20480, 20480, 64, true), Layout::NHD,
+                       SPARGE_DTYPE_BFLOAT16, false}});
 }
 
 // ---------------------------------------------------------------- KEYS_LSE block scores

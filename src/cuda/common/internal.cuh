@@ -60,11 +60,23 @@ __host__ __device__ __forceinline__ int perm32(int kk) {
 // prepare_impl (cuda/prepare/prepare.cuh): K column mean, V column max|.|,
 // Q/K int8 quantization with pooled means and self-similarities, q_mu, the
 // fp8 V^T. Fills the corresponding workspace regions.
+// The kept counters [B, Hq] a selection adds to: the caller's (kept, when given with data) or
+// the workspace's.
+struct KeptRef {
+  int32_t* data;
+  int64_t s0, s1;
+};
+inline KeptRef kept_ref(const Plan& plan, const KeptView* kept, void* ws) {
+  if (kept && kept->data) return KeptRef{kept->data, kept->stride[0], kept->stride[1]};
+  return KeptRef{ws_ptr<int32_t>(static_cast<char*>(ws), plan.ws.kept), plan.prob.Hq, 1};
+}
 // Pooled scores, softmax, selection, forced blocks -> uint8 mask (any strides) and kept counts.
 // lists_too: the mask must be the workspace's; the selection then also writes
 // the rows' index lists (idx, cnt), and only the work order remains to launch.
+// kept_zeroed: the preparation's block-score kernel has reset the counters (prepare_impl).
 sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
-                              const KeptView* kept, void* ws, cudaStream_t stream, bool lists_too = false);
+                              const KeptView* kept, void* ws, cudaStream_t stream, bool lists_too = false,
+                              bool kept_zeroed = false);
 // The work order of index lists already in the workspace (cuda/schedule/work_lists.cu).
 sparge_status_t launch_work_order(const Plan& plan, void* ws, cudaStream_t stream);
 // Mask (any strides) -> idx/cnt/order in the workspace (causally invisible blocks dropped).

@@ -136,6 +136,7 @@ template <int DK, class T, bool VEC>
 __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBlocks)
     key_scores_mma_kernel(const ks::Args a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  ks::reset_kept(a);
   using Tr = KsTraits<DK>;
   constexpr int MT = Tr::kMt;
   extern __shared__ __align__(128) unsigned char ks_smem[];
@@ -224,7 +225,9 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
 
 }  // namespace
 
-sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream) {
+sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream,
+                                  const KeptRef* kept, bool* kept_zeroed) {
+  if (kept_zeroed) *kept_zeroed = false;
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
@@ -238,6 +241,7 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   ka.pooled_q = ws_ptr<float>(base, L.pooled_q);
   ka.scores = ws_ptr<float>(base, L.scores);
   ka.rows = p.group() * p.nQB;
+  ka.kept = kept ? *kept : KeptRef{nullptr, 0, 0};
   // The grid for the smallest CTA (64 rows) is checked once for both kernels.
   const int64_t key_ctas = ceil_div(p.nKB, kTiles);
   if (p.B * p.Hkv * key_ctas <= 0 || ka.rows <= 0) return SPARGE_OK;
@@ -260,7 +264,10 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   if (family_for_device(plan.sm_version, &fam) && fam == Family::kSm90) {
     bool ran = false;
     SPARGE_TRY(ks::launch_key_scores_sm90(ka, vec, plan.sm_count, stream, &ran));
-    if (ran) return SPARGE_OK;
+    if (ran) {
+      if (kept_zeroed) *kept_zeroed = kept != nullptr;
+      return SPARGE_OK;
+    }
   }
 #endif
   const bool built = dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
@@ -276,6 +283,7 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
                 (long long)p.Dk);
   SPARGE_TRY(st);
   SPARGE_PDL_CHECK(err, "sparge per-key scores kernel");
+  if (kept_zeroed) *kept_zeroed = kept != nullptr;
   return SPARGE_OK;
 }
 

@@ -31,7 +31,17 @@ struct Args {
   int64_t rows;           // pooled rows per kv head: group * nQB
   uint32_t row_ctas, key_ctas;
   uint32_t tiles;         // key tiles per CTA (key_ctas = ceil(nKB / tiles))
+  KeptRef kept;           // data != null: the kept counters [B, Hq], reset by CTA 0 (the selection adds to them)
 };
+
+// CTA 0 resets the kept counters (after pdl_grid_sync: every earlier kernel of the stream is done
+// with them), so that the selection needs no launch of its own for it.
+__device__ __forceinline__ void reset_kept(const Args& a) {
+  if (blockIdx.x != 0 || a.kept.data == nullptr) return;
+  const int64_t n = a.prob.B * a.prob.Hq;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    a.kept.data[(i / a.prob.Hq) * a.kept.s0 + (i % a.prob.Hq) * a.kept.s1] = 0;
+}
 
 // Last visible key of query block qb's last row (-1: none).
 __device__ __forceinline__ int32_t row_last_key(const Problem& p, int64_t qb) {

@@ -17,7 +17,9 @@ sparge_status_t predict_supported(const Problem& p);
 
 // Estimator KEYS_LSE: block scores from the pooled queries (already in the workspace) and every
 // key of k, into the workspace's score region; launch_select then skips its pooled-score kernel.
-sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream);
+// kept (optional): counters the kernel also resets; *kept_zeroed says whether it did.
+sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream,
+                                  const KeptRef* kept = nullptr, bool* kept_zeroed = nullptr);
 
 }  // namespace cuda
 }  // namespace sparge

@@ -3,6 +3,7 @@
 // exact tie rule (score or probability descending, lower block index first), forced blocks,
 // the uint8 mask and the kept counts. Pipeline and costs: docs/PREDICTION.md.
 #include <algorithm>
+#include <cstdint>
 
 #include "core/error.hpp"
 #include "cuda/common/device.cuh"
@@ -112,7 +113,8 @@ __global__ void __launch_bounds__(kSThreads) scores_kernel(const ScoreArgs a) {
   }
 }
 
-// Zeroes the kept counters when the pooled-score kernel (which does it otherwise) does not run.
+// Zeroes the kept counters when neither the pooled-score kernel nor the KEYS_LSE block-score
+// kernel (prepare_impl's kept_zeroed) does.
 __global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s0, int64_t s1) {
   pdl_grid_sync();
   for (int64_t i = threadIdx.x; i < B * Hq; i += blockDim.x) kept[(i / Hq) * s0 + (i % Hq) * s1] = 0;
@@ -138,7 +140,7 @@ __global__ void zero_kept_kernel(int32_t* kept, int64_t B, int64_t Hq, int64_t s
 // descending, lower index first). Blocks with keys > t* are kept
 // and, of the blocks with key == t*, the lowest-index ones, as many as needed to
 // reach the target.
-constexpr int kSelCache = 16;  // register-cached blocks per lane (V <= 512 fully cached)
+constexpr int kSelCache = 16;  // register-cached blocks per lane at most (V <= 512 fully cached)
 
 struct SelectArgs {
   Problem prob;
@@ -178,12 +180,13 @@ __device__ __forceinline__ double warp_sum_f64(double v) {
   return v;
 }
 
-// Weight of this lane's blocks with keys >= t.
-template <bool CDF>
+// Weight of this lane's blocks with keys >= t. NC: register-cached blocks per lane (4, 8 or
+// kSelCache: select_row_any picks the smallest that holds the row, so that a short causal row
+// does not pay a long row's compares in each of its search steps).
+template <bool CDF, int NC>
 struct RowSearch {
-  uint32_t uc[kSelCache];            // keys of blocks lane + 32 i
-  unsigned long long wc[kSelCache];  // their weights (CDF only; 0 beyond V)
-  int nloc;                // cached entries in use (uniform)
+  uint32_t uc[NC];            // keys of blocks lane + 32 i
+  unsigned long long wc[NC];  // their weights (CDF only; 0 beyond V)
   int V;
   const uint32_t* pb;      // shared: all V keys (the tail beyond the cache)
 
@@ -193,9 +196,9 @@ struct RowSearch {
     if (CDF) {
       unsigned long long w = 0;
 #pragma unroll
-      for (int i = 0; i < kSelCache; ++i)
+      for (int i = 0; i < NC; ++i)
         if (uc[i] >= t) w += wc[i];
-      for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) {
+      for (int kb = lane + 32 * NC; kb < V; kb += 32) {
         const uint32_t u = pb[kb];
         if (u >= t) w += fixed62(u - 1u);
       }
@@ -203,8 +206,8 @@ struct RowSearch {
     }
     uint32_t w = 0;  // top-k: counts, in 32 bits (V <= kMaxKeyBlocks)
 #pragma unroll
-    for (int i = 0; i < kSelCache; ++i) w += uint32_t(uc[i] >= t);
-    for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) w += uint32_t(pb[kb] >= t);
+    for (int i = 0; i < NC; ++i) w += uint32_t(uc[i] >= t);
+    for (int kb = lane + 32 * NC; kb < V; kb += 32) w += uint32_t(pb[kb] >= t);
     return w;
   }
   // The smallest and largest candidate key (>= 1) of the row, warp-wide.
@@ -216,8 +219,8 @@ struct RowSearch {
       kmin = min(kmin, u ? u : 0xffffffffu);
     };
 #pragma unroll
-    for (int i = 0; i < kSelCache; ++i) take(uc[i]);
-    for (int kb = lane + 32 * kSelCache; kb < V; kb += 32) take(pb[kb]);
+    for (int i = 0; i < NC; ++i) take(uc[i]);
+    for (int kb = lane + 32 * NC; kb < V; kb += 32) take(pb[kb]);
     kmin = __reduce_min_sync(0xffffffffu, kmin);
     kmax = __reduce_max_sync(0xffffffffu, kmax);
   }
@@ -228,18 +231,17 @@ struct RowSearch {
 };
 
 // Marks the selected blocks of the row in `sel` (shared).
-template <bool CDF>
+template <bool CDF, int NC>
 __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned long long target, uint8_t* sel) {
   const int lane = threadIdx.x & 31;
-  RowSearch<CDF> rs;
+  RowSearch<CDF, NC> rs;
   rs.V = V;
   rs.pb = pb;
-  rs.nloc = min(kSelCache, (V + 31) / 32);
 #pragma unroll
-  for (int i = 0; i < kSelCache; ++i) {
+  for (int i = 0; i < NC; ++i) {
     const int kb = lane + 32 * i;
-    rs.uc[i] = (i < rs.nloc && kb < V) ? pb[kb] : 0u;
-    if (CDF) rs.wc[i] = (i < rs.nloc && kb < V && rs.uc[i] != 0u) ? fixed62(rs.uc[i] - 1u) : 0ull;
+    rs.uc[i] = kb < V ? pb[kb] : 0u;
+    if (CDF) rs.wc[i] = (kb < V && rs.uc[i] != 0u) ? fixed62(rs.uc[i] - 1u) : 0ull;
   }
   if (rs.total_ge(1) < target) {  // CDF never reached (rounding): keep every visible block
     for (int kb = lane; kb < V; kb += 32) sel[kb] = 1;
@@ -278,17 +280,35 @@ __device__ __forceinline__ void select_row(const uint32_t* pb, int V, unsigned l
       need = w ? (rem + w - 1) / w : 1;
     }
   }
-  // ties in index order: chunks of 32 consecutive blocks, ballot + prefix count
+  // ties in index order: chunks of 32 consecutive blocks (chunk i is uc[i], then the shared
+  // tail), ballot + prefix count; keys past V are 0 < t* + 1 and never tie (t* >= 1 or exact)
   unsigned long long taken = 0;
   const uint32_t lt = (1u << lane) - 1u;
-  for (int kb0 = 0; kb0 < V; kb0 += 32) {
-    const int kb = kb0 + lane;
-    const uint32_t u = kb < V ? pb[kb] : 0u;
-    const bool tie = kb < V && u == tstar;
+  auto mark = [&](int kb, uint32_t u) {
+    const bool tie = u == tstar && !exact;
     const uint32_t bal = __ballot_sync(0xffffffffu, tie);
-    if (kb < V && (u > tstar || (tie && taken + __popc(bal & lt) < need))) sel[kb] = 1;
+    if (u > tstar || (tie && taken + __popc(bal & lt) < need)) sel[kb] = 1;
     taken += __popc(bal);
+  };
+#pragma unroll
+  for (int i = 0; i < NC; ++i)
+    if (32 * i < V) mark(lane + 32 * i, rs.uc[i]);
+  for (int kb0 = 32 * NC; kb0 < V; kb0 += 32) {
+    const int kb = kb0 + lane;
+    mark(kb, kb < V ? pb[kb] : 0u);
   }
+}
+
+// select_row with the smallest register cache that holds the row's V blocks (warp-uniform).
+template <bool CDF>
+__device__ __forceinline__ void select_row_any(const uint32_t* pb, int V, unsigned long long target,
+                                               uint8_t* sel) {
+  if (V <= 32 * 4)
+    select_row<CDF, 4>(pb, V, target, sel);
+  else if (V <= 32 * 8)
+    select_row<CDF, 8>(pb, V, target, sel);
+  else
+    select_row<CDF, kSelCache>(pb, V, target, sel);
 }
 
 // Up to kSelRows warps per CTA (blockDim.x / 32), one row each (a head's consecutive query blocks).
@@ -322,7 +342,18 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
   const int V = int(visible_key_blocks(p, qb));
   const float sim_thr = cfg.sim_per_head ? cfg.sim_per_head[h] : cfg.sim_threshold;
 
-  for (int kb = lane; kb < nKB; kb += 32) sel[kb] = 0;
+  // 16-byte flag and mask accesses where the row allows them (warp-uniform): nKB a multiple of 16
+  // (sel, after nKB u32 keys in a 16-byte-aligned region, is then 16-byte aligned) and a
+  // contiguous, 16-byte-aligned mask row
+  uint8_t* mrow = a.mask.data + a.mask.offset(b, h, qb, 0);
+  const int64_t ms = a.mask.stride[3];
+  const bool vec16 = (nKB & 15) == 0;
+  const bool mvec = vec16 && ms == 1 && (reinterpret_cast<uintptr_t>(mrow) & 15) == 0;
+  if (vec16) {
+    for (int kb = 16 * lane; kb < nKB; kb += 512) *reinterpret_cast<uint4*>(sel + kb) = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int kb = lane; kb < nKB; kb += 32) sel[kb] = 0;
+  }
   __syncwarp();
 
   if (V > 0) {
@@ -362,7 +393,7 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
       fcount = __reduce_add_sync(0xffffffffu, fcount);
       const float tk = cfg.topk_per_head ? cfg.topk_per_head[h] : cfg.topk;
       const unsigned long long n = (unsigned long long)topk_count(tk, V);
-      if (n > fcount) select_row<false>(pb, V, n - fcount, sel);
+      if (n > fcount) select_row_any<false>(pb, V, n - fcount, sel);
     } else {
       mx = warp_max(mx);
       // softmax over the visible entries (float64, as the CPU reference); the exponentials of
@@ -403,7 +434,7 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
       const unsigned long long t = fixed62(__float_as_uint(cdf));
       unsigned long long target = t > fmass ? t - fmass : 0ull;
       if (fcount == 0 && target == 0) target = 1;  // at least one block
-      if (target > 0) select_row<true>(pb, V, target, sel);
+      if (target > 0) select_row_any<true>(pb, V, target, sel);
     }
     __syncwarp();
     // forced blocks outside the budget: non-compressible key blocks (self-
@@ -419,12 +450,18 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
 
   // write the whole row (invisible blocks are 0) and count
   int cnt = 0;
-  uint8_t* mrow = a.mask.data + a.mask.offset(b, h, qb, 0);
-  const int64_t ms = a.mask.stride[3];
-  for (int kb = lane; kb < nKB; kb += 32) {
-    const uint8_t v = sel[kb];
-    mrow[kb * ms] = v;
-    cnt += v;
+  if (mvec) {  // flags are 0 or 1: a word's population count is its number of kept blocks
+    for (int kb = 16 * lane; kb < nKB; kb += 512) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sel + kb);
+      *reinterpret_cast<uint4*>(mrow + kb) = v;
+      cnt += __popc(v.x) + __popc(v.y) + __popc(v.z) + __popc(v.w);
+    }
+  } else {
+    for (int kb = lane; kb < nKB; kb += 32) {
+      const uint8_t v = sel[kb];
+      mrow[kb * ms] = v;
+      cnt += v;
+    }
   }
   cnt = int(__reduce_add_sync(0xffffffffu, uint32_t(cnt)));
   if (lane == 0 && cnt > 0) atomicAdd(a.kept + b * a.kept_s0 + h * a.kept_s1, cnt);
@@ -438,19 +475,17 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
 }  // namespace
 
 sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const MaskView& mask,
-                              const KeptView* kept, void* ws, cudaStream_t stream, bool lists_too) {
+                              const KeptView* kept, void* ws, cudaStream_t stream, bool lists_too,
+                              bool kept_zeroed) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
   char* base = static_cast<char*>(ws);
   const int64_t bhq = p.B * p.Hq;
 
-  int32_t* kept_ptr = ws_ptr<int32_t>(base, L.kept);
-  int64_t ks0 = p.Hq, ks1 = 1;
-  if (kept && kept->data) {
-    kept_ptr = kept->data;
-    ks0 = kept->stride[0], ks1 = kept->stride[1];
-  }
+  const KeptRef kr = kept_ref(plan, kept, ws);
+  int32_t* kept_ptr = kr.data;
+  const int64_t ks0 = kr.s0, ks1 = kr.s1;
 
   ScoreArgs sa;
   sa.prob = p;
@@ -463,8 +498,9 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   const int64_t nsb = bhq * sa.ntq * sa.ntk;
   if (nsb > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "score grid too large");
   if (cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) {  // scores written by launch_key_scores (preparation)
-    SPARGE_PDL_CHECK(launch_pdl(zero_kept_kernel, dim3(1), dim3(256), 0, stream, kept_ptr, p.B, p.Hq, ks0, ks1),
-                     "sparge kept-count zeroing kernel");
+    if (!kept_zeroed)
+      SPARGE_PDL_CHECK(launch_pdl(zero_kept_kernel, dim3(1), dim3(256), 0, stream, kept_ptr, p.B, p.Hq, ks0, ks1),
+                       "sparge kept-count zeroing kernel");
   } else {
     SPARGE_PDL_CHECK(launch_pdl(scores_kernel, dim3(unsigned(nsb)), dim3(kSThreads), 0, stream, sa),
                      "sparge pooled scores kernel");

@@ -419,7 +419,9 @@ sparge_status_t predict_supported(const Problem& p) {
 
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
-                             bool lse_shift, const MaskView* lists_mask, bool zero_tickets) {
+                             bool lse_shift, const MaskView* lists_mask, bool zero_tickets,
+                             const KeptView* kept, bool* kept_zeroed) {
+  if (kept_zeroed) *kept_zeroed = false;
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   SPARGE_TRY(predict_supported(p));
@@ -570,7 +572,10 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   if (order_groups > 0) SPARGE_TRY(lists::launch_order(plan, B.ord, order_groups, stream));
 
   // Block scores from every key (estimator KEYS_LSE; the pooled Q of stage A or B is ready).
-  if (pool && cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) SPARGE_TRY(launch_key_scores(plan, k, ws, stream));
+  if (pool && cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) {
+    const KeptRef kr = kept_ref(plan, kept, ws);
+    SPARGE_TRY(launch_key_scores(plan, k, ws, stream, kept_zeroed ? &kr : nullptr, kept_zeroed));
+  }
   return SPARGE_OK;
 }
 

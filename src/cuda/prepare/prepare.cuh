@@ -23,9 +23,12 @@ namespace cuda {
 // node). Correctness does not need it (column_stats.cuh, tickets); it keeps the
 // first use of a workspace free of reads of uninitialized memory, so callers
 // clear them on a workspace's first call with a key, not on its repeats.
+// kept_zeroed (optional): the KEYS_LSE block-score kernel also resets the selection's kept counters
+// (kept_ref(plan, kept, ws)), and *kept_zeroed says whether it ran (launch_select's kept_zeroed).
 sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4* v,
                              const PredictConfig& cfg, void* ws, cudaStream_t stream, bool quantize, bool pool,
-                             bool lse_shift, const MaskView* lists_mask = nullptr, bool zero_tickets = true);
+                             bool lse_shift, const MaskView* lists_mask = nullptr, bool zero_tickets = true,
+                             const KeptView* kept = nullptr, bool* kept_zeroed = nullptr);
 
 }  // namespace cuda
 }  // namespace sparge

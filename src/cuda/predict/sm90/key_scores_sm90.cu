@@ -80,6 +80,7 @@ template <int DK, class T, int WG, bool VEC, bool DEEP>
 __global__ void __launch_bounds__(Ks90<DK, WG, DEEP>::kThreads, Ks90<DK, WG, DEEP>::kMinBlocks)
     key_scores_wgmma_kernel(const ks::Args a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  ks::reset_kept(a);
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = Ks90<DK, WG, DEEP>;
   constexpr int S = Tr::kStages;
