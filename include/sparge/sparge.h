@@ -110,8 +110,11 @@ typedef enum sparge_select_mode {
 
 /* Block-importance estimator of the prediction (docs/SEMANTICS.md, "Mask prediction"). */
 typedef enum sparge_estimator {
-  SPARGE_ESTIMATOR_MEAN = 0,     /* softmax of scale * mean(q block) . mean(k' block) (SpargeAttn) */
-  SPARGE_ESTIMATOR_KEYS_LSE = 1  /* softmax of log sum_{j in block} exp(scale * mean(q block) . k_j) */
+  SPARGE_ESTIMATOR_MEAN = 0,       /* softmax of scale * mean(q block) . mean(k' block) (SpargeAttn) */
+  SPARGE_ESTIMATOR_KEYS_LSE = 1,   /* softmax of log sum_{j in block} exp(scale * mean(q block) . k_j) */
+  SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 = 2 /* KEYS_LSE for two groups of similar rows per query block, their
+                                          block distributions averaged by group size (CPU backend
+                                          only: SPARGE_ERR_UNSUPPORTED on CUDA plans, today) */
 } sparge_estimator_t;
 
 /* ------------------------------------------------------------------ tensors */

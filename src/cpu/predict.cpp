@@ -85,6 +85,53 @@ double keys_lse_row(const float* q, int64_t D, sparge_dtype_t dt, double* out) {
   return 1.0;
 }
 
+// KEYS_LSE_SPLIT2's grouping of rows [r0, r1) of a dense [L, D] buffer (docs/SEMANTICS.md, "Mask
+// prediction", step 3), in float64: seed a is the row farthest from the rows' mean, seed b the row
+// farthest from a (the lowest index on equal distances); a row joins b when it is strictly nearer
+// to b than to a. Writes each group's mean rounded to float32 (zeros for an empty group) and its
+// number of rows.
+void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, float* mean_a, float* mean_b, int64_t* na,
+                 int64_t* nb) {
+  const int64_t n = r1 - r0;
+  std::vector<double> mu(size_t(D), 0.0), sa(size_t(D), 0.0), sb(size_t(D), 0.0);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = 0; c < D; ++c) mu[size_t(c)] += x[r * D + c];
+  for (int64_t c = 0; c < D; ++c) mu[size_t(c)] /= double(n);
+  auto d2 = [&](int64_t r, auto&& ref) {
+    double s = 0.0;
+    for (int64_t c = 0; c < D; ++c) {
+      const double t = double(x[r * D + c]) - ref(c);
+      s += t * t;
+    }
+    return s;
+  };
+  auto farthest = [&](auto&& ref) {
+    int64_t best = r0;
+    double bd = -1.0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const double d = d2(r, ref);
+      if (d > bd) bd = d, best = r;
+    }
+    return best;
+  };
+  const int64_t a = farthest([&](int64_t c) { return mu[size_t(c)]; });
+  auto row_a = [&](int64_t c) { return double(x[a * D + c]); };
+  const int64_t b = farthest(row_a);
+  auto row_b = [&](int64_t c) { return double(x[b * D + c]); };
+  int64_t ca = 0, cb = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const bool to_b = d2(r, row_b) < d2(r, row_a);
+    std::vector<double>& s = to_b ? sb : sa;
+    for (int64_t c = 0; c < D; ++c) s[size_t(c)] += x[r * D + c];
+    ++(to_b ? cb : ca);
+  }
+  for (int64_t c = 0; c < D; ++c) {
+    mean_a[c] = ca ? float(sa[size_t(c)] / double(ca)) : 0.0f;
+    mean_b[c] = cb ? float(sb[size_t(c)] / double(cb)) : 0.0f;
+  }
+  *na = ca, *nb = cb;
+}
+
 float head_value(const float* per_head, int64_t h, float scalar) {
   return per_head ? per_head[h] : scalar;
 }
@@ -124,8 +171,10 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
     const int64_t bhk = b * p.Hkv + h / p.group();
     std::vector<float> qh, kraw;
     load_head(q, b, h, qh);
+    const bool split2 = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
     const bool keys_lse = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE;
-    if (keys_lse) load_head(k, b, h / p.group(), kraw);  // raw keys (a shift of K moves a row's scores alike)
+    // raw keys (a shift of K moves a row's scores alike)
+    if (keys_lse || split2) load_head(k, b, h / p.group(), kraw);
     for (int64_t qb = 0; qb < nQB; ++qb) {
       const int64_t r0 = qb * p.BQ, r1 = std::min(p.Lq, r0 + p.BQ);
       pool_block(qh.data(), D, r0, r1, pooled_q + (bh * nQB + qb) * D, sim_q + bh * nQB + qb);
@@ -141,6 +190,9 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
     std::vector<int64_t> order(static_cast<size_t>(nKB));
     std::vector<uint8_t> keep(static_cast<size_t>(nKB));
     std::vector<double> sc(static_cast<size_t>(p.BK)), qr(static_cast<size_t>(D));
+    std::vector<float> grow[2] = {std::vector<float>(size_t(D)), std::vector<float>(size_t(D))};  // SPLIT2 rows
+    std::vector<double> gs[2] = {std::vector<double>(size_t(split2 ? nKB : 0)),
+                                 std::vector<double>(size_t(split2 ? nKB : 0))};
     for (int64_t qb = 0; qb < nQB; ++qb) {
       const int64_t vis = visible_key_blocks(p, qb);
       const float* pq = pooled_q + (bh * nQB + qb) * D;
@@ -154,27 +206,66 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
         const int64_t last_key = p.causal ? causal_last_key(std::min(p.Lq, (qb + 1) * p.BQ) - 1, p.Lq, p.Lkv)
                                           : p.Lkv - 1;
         bool nonfinite = false;
-        // KEYS_LSE: the pooled row rounded to the keys' 16-bit type, and the score factor
+        // KEYS_LSE: log sum_j exp(scale * q' . k_j) over block kb's keys that the block's last row
+        // sees, q' the pooled row pr rounded to the keys' 16-bit type (qr; kfac: the score factor),
+        // each score rounded to float32 (the products of two 16-bit values are exact; an infinite k
+        // element gives +-Inf, or NaN where q'_c is 0). A -Inf score has weight 0; a block whose
+        // scores are all -Inf gets -Inf (a zero sum), one with a NaN or +Inf score NaN.
+        auto lse_block = [&](double kfac, int64_t kb) {
+          const int64_t j0 = kb * p.BK, j1 = std::min({p.Lkv, j0 + p.BK, last_key + 1});
+          double m = -INFINITY;
+          for (int64_t j = j0; j < j1; ++j) {
+            double d = 0.0;
+            for (int64_t c = 0; c < D; ++c) d += qr[size_t(c)] * double(kraw[size_t(j * D + c)]);
+            sc[size_t(j - j0)] = double(float(kfac * d));
+            m = std::max(m, sc[size_t(j - j0)]);  // ignores NaN, which reaches the sum
+          }
+          const double mb = m == -INFINITY ? 0.0 : m;
+          double sum = 0.0;
+          for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[size_t(j - j0)] - mb);
+          return j1 > j0 ? float(m + std::log(sum)) : -INFINITY;
+        };
+        if (split2) {
+          // KEYS_LSE_SPLIT2: each group's KEYS_LSE scores s_g, normalized over the visible blocks
+          // (u_g = s_g - log sum exp s_g), combined as log sum_g (n_g / n) exp(u_g) in float64 and
+          // rounded to float32: the log of the size-weighted mean of the groups' block
+          // distributions. A non-finite s_g or normalizer makes the block's score NaN (the row
+          // then keeps every visible block, as for KEYS_LSE).
+          const int64_t r0 = qb * p.BQ, r1 = std::min(p.Lq, r0 + p.BQ);
+          int64_t ng[2];
+          split2_rows(qh.data(), D, r0, r1, grow[0].data(), grow[1].data(), &ng[0], &ng[1]);
+          for (int g = 0; g < 2; ++g) {
+            if (ng[g] == 0) continue;
+            const double kfac = double(p.scale) * keys_lse_row(grow[g].data(), D, k.dtype, qr.data());
+            double m = -INFINITY;
+            for (int64_t kb = 0; kb < vis; ++kb) {
+              gs[g][size_t(kb)] = double(lse_block(kfac, kb));
+              m = std::max(m, gs[g][size_t(kb)]);
+            }
+            double sum = 0.0;
+            for (int64_t kb = 0; kb < vis; ++kb) sum += std::exp(gs[g][size_t(kb)] - m);
+            const double norm = m + std::log(sum);
+            const double lw = std::log(double(ng[g]) / double(r1 - r0));
+            for (int64_t kb = 0; kb < vis; ++kb) gs[g][size_t(kb)] += lw - norm;
+          }
+          for (int64_t kb = 0; kb < vis; ++kb) {
+            double m = -INFINITY, sum = 0.0;
+            bool bad = false;
+            for (int g = 0; g < 2; ++g)
+              if (ng[g]) bad |= !std::isfinite(gs[g][size_t(kb)]), m = std::max(m, gs[g][size_t(kb)]);
+            for (int g = 0; g < 2; ++g)
+              if (ng[g]) sum += std::exp(gs[g][size_t(kb)] - m);
+            const float sf = bad ? NAN : float(m + std::log(sum));
+            e[size_t(kb)] = sf;
+            mx = std::max(mx, double(sf));
+            nonfinite |= !std::isfinite(sf);
+          }
+        }
         const double kfac = keys_lse ? double(p.scale) * keys_lse_row(pq, D, k.dtype, qr.data()) : 0.0;
-        for (int64_t kb = 0; kb < vis; ++kb) {
+        for (int64_t kb = 0; kb < (split2 ? 0 : vis); ++kb) {
           float sf;
           if (keys_lse) {
-            // log sum_j exp(scale * q' . k_j) over the block's keys, each score rounded to float32
-            // (the products of two 16-bit values are exact; an infinite k element gives +-Inf, or NaN
-            // where q'_c is 0). A -Inf score has weight 0; a block whose scores are all -Inf gets
-            // -Inf (a zero sum), one with a NaN or +Inf score NaN.
-            const int64_t j0 = kb * p.BK, j1 = std::min({p.Lkv, j0 + p.BK, last_key + 1});
-            double m = -INFINITY;
-            for (int64_t j = j0; j < j1; ++j) {
-              double d = 0.0;
-              for (int64_t c = 0; c < D; ++c) d += qr[size_t(c)] * double(kraw[size_t(j * D + c)]);
-              sc[size_t(j - j0)] = double(float(kfac * d));
-              m = std::max(m, sc[size_t(j - j0)]);  // ignores NaN, which reaches the sum
-            }
-            const double mb = m == -INFINITY ? 0.0 : m;
-            double sum = 0.0;
-            for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[size_t(j - j0)] - mb);
-            sf = j1 > j0 ? float(m + std::log(sum)) : -INFINITY;
+            sf = lse_block(kfac, kb);
           } else {
             double s = 0.0;
             for (int64_t c = 0; c < D; ++c) s += double(pq[c]) * double(pk[kb * D + c]);

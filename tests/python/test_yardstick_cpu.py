@@ -70,6 +70,26 @@ def test_mean_rule_matches_the_library(rng, causal):
         assert (lib != mine).any(axis=-1).sum() <= 1, st.label()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_split2_rule_matches_the_library(rng, causal):
+    # rows of two clusters per 128-row query block, so that the two groups differ
+    cap = _random_capture(rng, 4, 2, 900, 32, causal)
+    centres = rng.standard_normal((4, 8, 2, 32)) * 1.5
+    lab = rng.integers(0, 2, size=(4, 900))
+    blk = np.arange(900) // 128
+    cap.q[...] = centres[np.arange(4)[:, None], blk[None, :], lab] + 0.3 * rng.standard_normal((4, 900, 32))
+    differs = 0
+    for st in (Y.Setting(topk=0.2, estimator="keys_lse_split2"), Y.Setting(topk=0.5, estimator="keys_lse_split2"),
+               Y.Setting(topk=None, cdf=0.8, estimator="keys_lse_split2")):
+        lib = Y.library_mask(cap, st)
+        mine = np.stack([Y.select(Y.ESTIMATORS["keys_lse_split2"](cap, h), st, 900, 900, causal) for h in range(4)])
+        # float32 rounding of the group means and scores may flip a near-tie row
+        assert (lib != mine).any(axis=-1).sum() <= 1, st.label()
+        st.estimator = "keys_lse"
+        differs += int((Y.library_mask(cap, st) != lib).any(axis=-1).sum())
+    assert differs > 0  # the split rule is not the single pooled row's
+
+
 def test_oracle_is_optimal_and_meets_counts(rng):
     cap = _random_capture(rng, 2, 1, 640, 32, True)
     for est in Y.ESTIMATORS:

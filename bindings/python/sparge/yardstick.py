@@ -430,8 +430,9 @@ ESTIMATORS = {
     "keys_lse_var": lambda c, h: est_keys_lse_var(c, h),
     "keys_lse_maxnorm": lambda c, h: est_keys_lse_maxnorm(c, h, "lse"),
     "keys_lse_maxnorm_mass": lambda c, h: est_keys_lse_maxnorm(c, h, "mass"),
-    "keys_lse_split2": lambda c, h: est_keys_lse_split2(c, h, "lse"),
-    "keys_lse_split2_mass": lambda c, h: est_keys_lse_split2(c, h, "mass"),
+    # the library's SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 (the masses averaged), and its log-sum-exp variant
+    "keys_lse_split2": lambda c, h: est_keys_lse_split2(c, h, "mass"),
+    "keys_lse_split2_lse": lambda c, h: est_keys_lse_split2(c, h, "lse"),
 }
 
 
@@ -510,9 +511,12 @@ def select(scores: np.ndarray, st: Setting, Lq: int, Lkv: int, causal: bool) -> 
     return mask
 
 
+LIBRARY_ESTIMATORS = ("mean", "keys_lse", "keys_lse_split2")
+
+
 def library_mask(cap: Capture, st: Setting) -> np.ndarray:
     """sparge.predict_mask (CPU backend, float32 inputs) for the library's estimators ("mean",
-    "keys_lse"): [Hq, nQB, nKB]."""
+    "keys_lse", "keys_lse_split2"): [Hq, nQB, nKB]."""
     from . import _api as sparge
 
     kw = dict(is_causal=cap.causal, scale=cap.sc, precision="exact", attention_sink=st.sink,
@@ -549,7 +553,7 @@ def evaluate(cap: Capture, settings: Sequence[Setting], heads: Optional[Iterable
     lib_masks: Dict[int, np.ndarray] = {}
     if use_library:
         for i, st in enumerate(settings):
-            if st.estimator in ("mean", "keys_lse") and st.topp is None:
+            if st.estimator in LIBRARY_ESTIMATORS and st.topp is None:
                 lib_masks[i] = library_mask(cap, st)
     heads = list(range(cap.Hq)) if heads is None else list(heads)
     for n, h in enumerate(heads):

@@ -53,6 +53,7 @@ pub const SPARGE_SELECT_CDF: sparge_select_mode_t = 1;
 pub type sparge_estimator_t = c_int;
 pub const SPARGE_ESTIMATOR_MEAN: sparge_estimator_t = 0;
 pub const SPARGE_ESTIMATOR_KEYS_LSE: sparge_estimator_t = 1;
+pub const SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2: sparge_estimator_t = 2;
 
 // ---------------------------------------------------------------- structs
 /// A borrowed, strided tensor view (strides in elements).

@@ -256,6 +256,9 @@ pub enum Estimator {
     Mean,
     /// Mean-pooled Q against every key, log-sum-exp per key block (the default).
     KeysLse,
+    /// `KeysLse` for two groups of similar rows per query block, their block distributions averaged
+    /// by group size (CPU plans only today: `Unsupported` on CUDA plans).
+    KeysLseSplit2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -458,6 +461,7 @@ impl PredictParams {
             estimator: match self.estimator {
                 Estimator::Mean => sys::SPARGE_ESTIMATOR_MEAN,
                 Estimator::KeysLse => sys::SPARGE_ESTIMATOR_KEYS_LSE,
+                Estimator::KeysLseSplit2 => sys::SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2,
             },
         }
     }

@@ -191,6 +191,34 @@ fn the_default_estimator_is_keys_lse() {
 }
 
 #[test]
+fn keys_lse_split2_keeps_both_groups_blocks() {
+    // One query block of two row groups (rows 0..63: 4 e0, rows 64..127: 4 e1; scale 1/2) against
+    // four key blocks: 0 zeros (the sink), 1 holds 1.5 e0, 2 holds 1.5 e1, 3 holds e0 + e1. The pooled
+    // row 2 e0 + 2 e1 ranks block 3 first (KeysLse); each group's own block mass is 0.68 on its block
+    // and 0.25 on block 3, so their average ranks blocks 1 and 2 above block 3 (KeysLseSplit2).
+    let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
+    let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == usize::from(i / 4 >= 64) { 4.0 } else { 0.0 }).collect();
+    let k: Vec<f32> = (0..256 * 4)
+        .map(|i| match (i / 4, i % 4) {
+            (64..=127, 0) => 1.5,
+            (128..=191, 1) => 1.5,
+            (192..=255, 0 | 1) => 1.0,
+            _ => 0.0,
+        })
+        .collect();
+    let predict = |e: Estimator| {
+        let mut m = vec![0u8; 4];
+        let p = PredictParams { estimator: e, topk: 0.75, ..Default::default() };
+        plan.predict_mask(&q, &k, Some(&p), &mut m, None).unwrap();
+        m
+    };
+    assert_eq!(predict(Estimator::KeysLse), vec![1, 1, 0, 1]);
+    assert_eq!(predict(Estimator::KeysLseSplit2), vec![1, 1, 1, 0]);
+    assert_eq!(PredictParams { estimator: Estimator::KeysLseSplit2, ..Default::default() }.to_raw().estimator,
+               sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2);
+}
+
+#[test]
 fn cdf_mode_and_per_head_topk() {
     let plan = Plan::new(&exact_problem(1, 2, 1, 256, 512, 16, false)).unwrap();
     let mut r = Rng(5);
