@@ -133,6 +133,37 @@ int64_t topk_n(float topk, int64_t vis) {
   return std::min(vis, std::max<int64_t>(1, int64_t(double(topk) * double(vis) + 1e-4)));
 }
 
+// Top-k parameters without sink and window (only the causal diagonal block is forced).
+sparge_predict_params_t bare_topk(float topk, sparge_estimator_t est) {
+  sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+  params.estimator = est;
+  params.topk = topk;
+  params.attention_sink = 0;
+  params.local_window = 0;
+  return params;
+}
+
+// Row qb of head h in p.mask (no sink, no window) against reference scores sc[0..vis): it keeps the
+// forced blocks and the top-k count, and the other kept blocks are among the highest scores.
+// Returns false (nothing checked beyond the count) where the boundary is a near-tie (1e-5).
+bool kept_are_top_scores(const Pred& p, int64_t h, int64_t qb, const std::vector<double>& sc, float topk) {
+  const int64_t vis = visible(p, qb);
+  const int64_t n = topk_n(topk, vis);
+  const auto F = budget_forced_blocks(p, qb, 0, 0);  // causal: the first diagonal block
+  const int64_t nf = std::count(F.begin(), F.end(), true);
+  std::vector<double> others;
+  for (int64_t kb = 0; kb < vis; ++kb)
+    if (!F[size_t(kb)]) others.push_back(sc[size_t(kb)]);
+  std::sort(others.rbegin(), others.rend());
+  const int64_t m = std::max<int64_t>(0, n - nf);
+  const auto kept = kept_blocks(p, 0, h, qb);
+  REQUIRE(int64_t(kept.size()) == std::max(n, nf));
+  if (m == 0 || (m < int64_t(others.size()) && others[size_t(m - 1)] - others[size_t(m)] < 1e-5)) return false;
+  for (int64_t kb : kept)
+    if (!F[size_t(kb)]) CHECK(sc[size_t(kb)] >= others[size_t(m - 1)] - 1e-9);
+  return true;
+}
+
 void check_masks_binary_and_kept(const Pred& p) {
   for (int64_t b = 0; b < p.prob.batch; ++b)
     for (int64_t h = 0; h < p.prob.heads_q; ++h) {
@@ -637,11 +668,7 @@ TEST_CASE("estimator KEYS_LSE keeps the blocks of largest per-key log-sum-exp", 
     INFO("causal " << causal);
     Pred p = make_pred(1, 4, 2, 700, 900, 32, 64, 64, causal, rng);
     Plan plan(p.prob);
-    sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
-    params.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
-    params.topk = 0.3f;
-    params.attention_sink = 0;
-    params.local_window = 0;
+    sparge_predict_params_t params = bare_topk(0.3f, SPARGE_ESTIMATOR_KEYS_LSE);
     REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
     check_masks_binary_and_kept(p);
     const auto first = p.mask.snapshot();
@@ -669,24 +696,11 @@ TEST_CASE("estimator KEYS_LSE keeps the blocks of largest per-key log-sum-exp", 
           for (double x : v) sum += std::exp(x - m);
           sc[size_t(kb)] = m + std::log(sum);
         }
-        const int64_t n = topk_n(0.3f, vis);
-        const auto F = budget_forced_blocks(p, qb, 0, 0);  // causal: the first diagonal block
-        const int64_t nf = std::count(F.begin(), F.end(), true);
-        std::vector<double> others;
-        for (int64_t kb = 0; kb < vis; ++kb)
-          if (!F[size_t(kb)]) others.push_back(sc[size_t(kb)]);
-        std::sort(others.rbegin(), others.rend());
-        const int64_t m = std::max<int64_t>(0, n - nf);
-        const auto kept = kept_blocks(p, 0, h, qb);
-        REQUIRE(int64_t(kept.size()) == std::max(n, nf));
         ++rows;
         bool same = true;
         for (int64_t kb = 0; kb < p.nKB; ++kb) same = same && first[size_t(((h * p.nQB) + qb) * p.nKB + kb)] == p.mask.get(0, h, qb, kb);
         same_rows += same;
-        if (m == 0 || (m < int64_t(others.size()) && others[size_t(m - 1)] - others[size_t(m)] < 1e-5)) continue;
-        for (int64_t kb : kept)
-          if (!F[size_t(kb)]) CHECK(sc[size_t(kb)] >= others[size_t(m - 1)] - 1e-9);
-        ++checked;
+        checked += kept_are_top_scores(p, h, qb, sc, 0.3f);
       }
     CHECK(checked > rows / 2);
     CHECK(same_rows >= rows - 2);  // smoothing moves a row's scores alike: only float rounding can differ
@@ -716,17 +730,13 @@ TEST_CASE("estimator KEYS_LSE_SPLIT2 keeps the blocks of largest group-averaged 
         }
       }
     Plan plan(p.prob);
-    sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
+    sparge_predict_params_t params = bare_topk(0.3f, SPARGE_ESTIMATOR_KEYS_LSE);
+    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+    const auto lse_mask = p.mask.snapshot();
     params.estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
-    params.topk = 0.3f;
-    params.attention_sink = 0;
-    params.local_window = 0;
     REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
     check_masks_binary_and_kept(p);
     const auto split_mask = p.mask.snapshot();
-    params.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
-    REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
-    const auto lse_mask = p.mask.snapshot();
     int64_t rows = 0, checked = 0, differ = 0;
     const double scale = 1.0 / std::sqrt(double(D));
     for (int64_t h = 0; h < 4; ++h)
@@ -778,28 +788,10 @@ TEST_CASE("estimator KEYS_LSE_SPLIT2 keeps the blocks of largest group-averaged 
         }
         std::vector<double> sc(static_cast<size_t>(vis));
         for (int64_t kb = 0; kb < vis; ++kb) sc[size_t(kb)] = std::log(mass[size_t(kb)]);
-        const int64_t nk = topk_n(0.3f, vis);
-        const auto F = budget_forced_blocks(p, qb, 0, 0);
-        const int64_t nf = std::count(F.begin(), F.end(), true);
-        std::vector<double> others;
-        for (int64_t kb = 0; kb < vis; ++kb)
-          if (!F[size_t(kb)]) others.push_back(sc[size_t(kb)]);
-        std::sort(others.rbegin(), others.rend());
-        const int64_t m = std::max<int64_t>(0, nk - nf);
-        std::vector<int64_t> kept;
-        bool same = true;
-        for (int64_t kb = 0; kb < p.nKB; ++kb) {
-          const size_t i = size_t((h * p.nQB + qb) * p.nKB + kb);
-          if (split_mask[i]) kept.push_back(kb);
-          same = same && split_mask[i] == lse_mask[i];
-        }
-        differ += !same;
-        REQUIRE(int64_t(kept.size()) == std::max(nk, nf));
+        const size_t mrow = size_t((h * p.nQB + qb) * p.nKB);
+        differ += !std::equal(split_mask.begin() + mrow, split_mask.begin() + mrow + p.nKB, lse_mask.begin() + mrow);
         ++rows;
-        if (m == 0 || (m < int64_t(others.size()) && others[size_t(m - 1)] - others[size_t(m)] < 1e-5)) continue;
-        for (int64_t kb : kept)
-          if (!F[size_t(kb)]) CHECK(sc[size_t(kb)] >= others[size_t(m - 1)] - 1e-9);
-        ++checked;
+        checked += kept_are_top_scores(p, h, qb, sc, 0.3f);
       }
     CHECK(checked > rows / 2);
     CHECK(differ > 0);  // two clusters per block: not the single pooled row's ranking everywhere
@@ -891,14 +883,7 @@ Pred16 make_pred16(sparge_dtype_t dt, int64_t Hq, int64_t Hkv, int64_t Lq, int64
   return p;
 }
 
-sparge_predict_params_t lse_params(float topk) {
-  sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
-  prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
-  prm.topk = topk;
-  prm.attention_sink = 0;
-  prm.local_window = 0;
-  return prm;
-}
+sparge_predict_params_t lse_params(float topk) { return bare_topk(topk, SPARGE_ESTIMATOR_KEYS_LSE); }
 
 }  // namespace
 
