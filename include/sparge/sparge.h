@@ -113,8 +113,8 @@ typedef enum sparge_estimator {
   SPARGE_ESTIMATOR_MEAN = 0,       /* softmax of scale * mean(q block) . mean(k' block) (SpargeAttn) */
   SPARGE_ESTIMATOR_KEYS_LSE = 1,   /* softmax of log sum_{j in block} exp(scale * mean(q block) . k_j) */
   SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 = 2 /* KEYS_LSE for two groups of similar rows per query block, their
-                                          block distributions averaged by group size (CPU backend
-                                          only: SPARGE_ERR_UNSUPPORTED on CUDA plans, today) */
+                                          block distributions averaged by group size (about twice the
+                                          prediction cost of KEYS_LSE) */
 } sparge_estimator_t;
 
 /* ------------------------------------------------------------------ tensors */

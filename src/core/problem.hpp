@@ -207,6 +207,9 @@ struct WorkspaceLayout {
   size_t col_part = 0;  // double [B*Hkv, nChunk, D] K column sums, then float [B*Hkv, nChunk, D]
                         // V column max|.|; nChunk = ceil(Lkv / kGpuColChunk)
   size_t col_tick = 0;  // uint64 [B*Hkv]           tickets of the column statistics (no initialization needed)
+  size_t split_q = 0;   // float [B*Hq, nQB, 2, D]   KEYS_LSE_SPLIT2: the two groups' mean rows
+  size_t split_n = 0;   // float [B*Hq, nQB, 2]      KEYS_LSE_SPLIT2: the groups' sizes
+                        // (and idx holds the second group's block scores until the selection)
 };
 
 WorkspaceLayout plan_workspace(const Problem& p);

@@ -54,6 +54,8 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     w.order = a.take({B, Hq, nQB, i32});
     w.col_part = a.take({B, Hkv, nchunk, D, sizeof(double) + sizeof(float)});
     w.col_tick = a.take({B, Hkv, sizeof(uint64_t)});
+    w.split_q = a.take({B, Hq, nQB, 2, D, f});
+    w.split_n = a.take({B, Hq, nQB, 2, f});
     if (p.quantized()) {
       w.q_i8 = a.take({B, Hq, nQB, kGpuBlockQ, D});
       w.k_i8 = a.take({B, Hkv, nKB, kGpuBlockK, D});

@@ -312,20 +312,8 @@ sparge_status_t pointer_on_device(const void* ptr, int device_id, const char* na
   }
 }
 
-namespace {
-// Estimators the CUDA predictor implements (MEAN, KEYS_LSE).
-sparge_status_t estimator_supported(const PredictConfig& cfg) {
-  if (cfg.estimator == SPARGE_ESTIMATOR_MEAN || cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) return SPARGE_OK;
-  return fail(SPARGE_ERR_UNSUPPORTED,
-              "params->estimator %d (SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2) is implemented on the CPU backend only; "
-              "CUDA plans predict with SPARGE_ESTIMATOR_KEYS_LSE or SPARGE_ESTIMATOR_MEAN",
-              int(cfg.estimator));
-}
-}  // namespace
-
 sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, const PredictConfig& cfg,
                         const MaskView& mask_out, const KeptView* kept, void* workspace, void* stream) {
-  SPARGE_TRY(estimator_supported(cfg));
   DeviceGuard guard;
   SPARGE_TRY(guard.enter(plan.prob.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -407,7 +395,6 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
                           void* workspace, void* stream, const AttnCallKey* key) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
-  if (mask == nullptr) SPARGE_TRY(estimator_supported(cfg));
   DeviceGuard guard;
   SPARGE_TRY(guard.enter(p.device_id));
   cudaStream_t s = static_cast<cudaStream_t>(stream);

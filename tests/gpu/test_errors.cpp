@@ -407,27 +407,3 @@ TEST_CASE("CUDA plan: precision AUTO resolves for the device's kernel family", "
     }
   }
 }
-
-// KEYS_LSE_SPLIT2 has no CUDA predictor yet: both entry points that predict refuse it before
-// anything is queued (the workspace keeps its poison), naming the argument.
-TEST_CASE("CUDA: the KEYS_LSE_SPLIT2 estimator is refused, naming the estimator", "[gpu][errors][sanitize]") {
-  Fixture f(SPARGE_PRECISION_INT8_FP8);
-  sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
-  prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
-  f.ws.fill(0x5a);
-  sparge_status_t st = sparge_predict_mask(f.plan, &f.q, &f.k, &prm, &f.m, nullptr, f.ws.get(), f.wsb, nullptr);
-  INFO("predict_mask: " << sparge_status_string(st) << " " << sparge_last_error());
-  CHECK(st == SPARGE_ERR_UNSUPPORTED);
-  CHECK(names_word(sparge_last_error(), "estimator"));
-  st = sparge_attention_run(f.plan, &f.q, &f.k, &f.v, nullptr, &prm, &f.o, nullptr, f.ws.get(), f.wsb, nullptr);
-  SGT_CUDA(cudaDeviceSynchronize());
-  INFO("attention_run: " << sparge_status_string(st) << " " << sparge_last_error());
-  CHECK(st == SPARGE_ERR_UNSUPPORTED);
-  CHECK(names_word(sparge_last_error(), "estimator"));
-  CHECK(workspace_bytes_changed(f, 0x5a) == 0);
-  // with the caller's mask nothing is predicted: the estimator is not read
-  st = sparge_attention_run(f.plan, &f.q, &f.k, &f.v, &f.m, &prm, &f.o, nullptr, f.ws.get(), f.wsb, nullptr);
-  CHECK(st == SPARGE_OK);
-  SGT_CUDA(cudaDeviceSynchronize());
-  CHECK(cudaGetLastError() == cudaSuccess);
-}

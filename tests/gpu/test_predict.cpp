@@ -263,9 +263,12 @@ void run_predict_attention(const PredCase& c) {
     if (prec == SPARGE_PRECISION_INT8_FP8 && prop.major * 10 + prop.minor < 89) continue;
     if (prec == SPARGE_PRECISION_FP16 && c.s.D == 256 && fp16_plans_portable())
       continue;  // the portable FP16-mode kernel has head dims 64, 96 and 128 (test_errors.cpp)
-    for (sparge_estimator_t est : {SPARGE_ESTIMATOR_MEAN, SPARGE_ESTIMATOR_KEYS_LSE}) {
+    for (sparge_estimator_t est :
+         {SPARGE_ESTIMATOR_MEAN, SPARGE_ESTIMATOR_KEYS_LSE, SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2}) {
       const std::string label = std::string(c.name) + " " + precision_name(prec) + " predicted" +
-                                (est == SPARGE_ESTIMATOR_MEAN ? " mean" : " keys_lse");
+                                (est == SPARGE_ESTIMATOR_MEAN       ? " mean"
+                                 : est == SPARGE_ESTIMATOR_KEYS_LSE ? " keys_lse"
+                                                                    : " keys_lse_split2");
       INFO(label << " [" << c.s.str() << "]");
       try {
         sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
@@ -672,6 +675,157 @@ TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor", "[gpu][predict][
 TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor, long causal rows", "[gpu][predict][keys_lse]") {
   run_keys_lse_cases({{"lse-L20480-causal", shp(1, 4, 2, 20480, 20480, 64, true), Layout::NHD,
                        SPARGE_DTYPE_BFLOAT16, false}});
+}
+
+// ---------------------------------------------------------------- KEYS_LSE_SPLIT2
+// The estimator's block scores recomputed in float64 from the definition (docs/SEMANTICS.md, "Mask
+// prediction", step 3) for query block qb of head h (batch 0): the two groups (seeds, strict
+// nearer-seed split), each group's float32 mean rounded as KEYS_LSE rounds the pooled row, its
+// per-block log-sum-exp over the keys the block's last row sees, normalized over the visible
+// blocks, and the log of the size-weighted mean of the two distributions.
+static std::vector<double> split2_ref_scores(const Inputs& in, int64_t h, int64_t qb, sparge_dtype_t dt) {
+  const Shape& s = in.s;
+  const int64_t D = s.D, r0 = qb * 128, r1 = std::min(s.Lq, r0 + 128), n = r1 - r0, hk = h / s.group();
+  auto x = [&](int64_t i, int64_t c) { return double(in.q.val[in.q.lidx(0, h, i, c)]); };
+  std::vector<double> mu(size_t(D), 0.0);
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t c = 0; c < D; ++c) mu[size_t(c)] += x(i, c);
+  for (double& m : mu) m /= double(n);
+  auto d2 = [&](int64_t i, auto&& ref) {
+    double a = 0.0;
+    for (int64_t c = 0; c < D; ++c) a += (x(i, c) - ref(c)) * (x(i, c) - ref(c));
+    return a;
+  };
+  auto farthest = [&](auto&& ref) {
+    int64_t best = r0;
+    double bd = -1.0;
+    for (int64_t i = r0; i < r1; ++i)
+      if (d2(i, ref) > bd) bd = d2(i, ref), best = i;
+    return best;
+  };
+  const int64_t a = farthest([&](int64_t c) { return mu[size_t(c)]; });
+  const int64_t b = farthest([&](int64_t c) { return x(a, c); });
+  std::vector<double> sum[2] = {std::vector<double>(size_t(D), 0.0), std::vector<double>(size_t(D), 0.0)};
+  int64_t ng[2] = {0, 0};
+  for (int64_t i = r0; i < r1; ++i) {
+    const int g = d2(i, [&](int64_t c) { return x(b, c); }) < d2(i, [&](int64_t c) { return x(a, c); }) ? 1 : 0;
+    for (int64_t c = 0; c < D; ++c) sum[g][size_t(c)] += x(i, c);
+    ++ng[g];
+  }
+  const int64_t last_key = s.causal ? std::min(s.Lkv - 1, r1 - 1 + s.Lkv - s.Lq) : s.Lkv - 1;
+  const int64_t vis = last_key < 0 ? 0 : last_key / 64 + 1;
+  const double scale = double(float(s.scale()));
+  std::vector<double> mass(static_cast<size_t>(vis), 0.0);
+  for (int g = 0; g < 2; ++g) {
+    if (ng[g] == 0) continue;
+    std::vector<float> row(static_cast<size_t>(D));
+    for (int64_t c = 0; c < D; ++c) row[size_t(c)] = float(sum[g][size_t(c)] / double(ng[g]));
+    std::vector<double> qr;
+    lse_row(row.data(), D, dt, qr);
+    std::vector<double> bs(static_cast<size_t>(vis));
+    double mx = -HUGE_VAL;
+    for (int64_t kb = 0; kb < vis; ++kb) {
+      std::vector<double> v;
+      double m = -HUGE_VAL, e = 0.0;
+      for (int64_t j = kb * 64; j < std::min(last_key + 1, kb * 64 + 64); ++j) {
+        double dot = 0.0;
+        for (int64_t c = 0; c < D; ++c) dot += qr[size_t(c)] * in.k.val[in.k.lidx(0, hk, j, c)];
+        v.push_back(scale * dot);
+        m = std::max(m, v.back());
+      }
+      for (double t : v) e += std::exp(t - m);
+      bs[size_t(kb)] = m + std::log(e);
+      mx = std::max(mx, bs[size_t(kb)]);
+    }
+    double tot = 0.0;
+    for (double t : bs) tot += std::exp(t - mx);
+    for (int64_t kb = 0; kb < vis; ++kb)
+      mass[size_t(kb)] += double(ng[g]) / double(n) * std::exp(bs[size_t(kb)] - mx) / tot;
+  }
+  std::vector<double> sc(static_cast<size_t>(vis));
+  for (int64_t kb = 0; kb < vis; ++kb) sc[size_t(kb)] = std::log(mass[size_t(kb)]);
+  return sc;
+}
+
+// CUDA masks equal the CPU predictor's except in rows with a near-tie of the float64 block scores:
+// the groups and their float32 means are the CPU's bit for bit (the same float64 operations in the
+// same order), so only the float32 block scores (tensor-core accumulation, ex2/lg2.approx) and the
+// order of the float64 sums of the combination differ. clusters: every query block's rows drawn
+// around two centres (each row picks one), the inputs the estimator exists for.
+static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters) {
+  for (const PredCase& c : cases) {
+    const uint64_t seed = case_seed(std::string(c.name) + (clusters ? "-clusters" : ""));
+    Inputs in = make_inputs(c.s, c.layout, c.dtype, c.outliers, seed);
+    if (clusters) {
+      std::mt19937_64 rng(seed ^ 0x2545f491u);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      std::vector<float> qv = in.q.val;
+      const int64_t D = c.s.D;
+      for (int64_t h = 0; h < c.s.Hq; ++h)
+        for (int64_t qb = 0; qb < c.s.nQB(); ++qb) {
+          std::vector<float> ctr[2] = {std::vector<float>(size_t(D)), std::vector<float>(size_t(D))};
+          for (auto& v : ctr)
+            for (float& t : v) t = 1.5f * nd(rng);
+          for (int64_t i = qb * 128; i < std::min(c.s.Lq, qb * 128 + 128); ++i) {
+            const int g = int(rng() & 1);
+            for (int64_t d = 0; d < D; ++d) qv[in.q.lidx(0, h, i, d)] = ctr[g][size_t(d)] + 0.3f * nd(rng);
+          }
+        }
+      in.q.set_values(qv);
+    }
+    const DeviceInputs din(in);
+    Stream stream;
+    for (float topk : {0.1f, 0.3f}) {
+      sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      prm.topk = topk;
+      prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+      INFO(c.name << (clusters ? " clusters" : "") << " topk " << topk << " [" << c.s.str() << "] seed " << seed);
+      const PredictResult g = gpu_predict(in, din, SPARGE_PRECISION_INT8_FP8, prm, nullptr, false, stream.get());
+      const PredictResult cp = cpu_predict(in, SPARGE_PRECISION_INT8_FP8, prm, nullptr);
+      REQUIRE(g.status == SPARGE_OK);
+      REQUIRE(cp.status == SPARGE_OK);
+      const int64_t nQB = c.s.nQB(), nKB = c.s.nKB();
+      int64_t kept_bad = 0;
+      for (int64_t h = 0; h < c.s.Hq; ++h) {
+        int64_t n = 0;
+        for (size_t i = size_t(h * nQB * nKB); i < size_t((h + 1) * nQB * nKB); ++i) n += g.mask[i] != 0;
+        kept_bad += g.kept[size_t(h)] != n;
+      }
+      CHECK(kept_bad == 0);
+      int64_t bad = 0, ties = 0, rows = 0;
+      for (int64_t h = 0; h < c.s.Hq; ++h)
+        for (int64_t qb = 0; qb < nQB; ++qb) {
+          ++rows;
+          const size_t row = size_t((h * nQB + qb) * nKB);
+          if (std::memcmp(&g.mask[row], &cp.mask[row], size_t(nKB)) == 0) continue;
+          const std::vector<double> sc = split2_ref_scores(in, h, qb, c.dtype);
+          double mag = 0.0;
+          for (double t : sc) mag = std::max(mag, std::fabs(t));
+          (scores_near_tie(sc, 1e-4 * (1.0 + mag)) ? ties : bad) += 1;
+        }
+      CHECK(bad == 0);
+      if (ties) WARN(c.name << ": " << ties << " near-tie rows of " << rows << " differ");
+    }
+  }
+}
+
+TEST_CASE("predict, estimator KEYS_LSE_SPLIT2: CUDA vs CPU predictor", "[gpu][predict][keys_lse][split2][sanitize]") {
+  const std::vector<PredCase> cases = {
+      {"split2-causal-gqa", shp(1, 4, 2, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true},
+      {"split2-cross", shp(1, 2, 2, 300, 1100, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false},
+      {"split2-Lq-gt-Lkv", shp(1, 2, 1, 700, 333, 64, true), Layout::HND_PAD, SPARGE_DTYPE_BFLOAT16, false},
+  };
+  run_split2_cases(cases, false);
+  run_split2_cases(cases, true);
+}
+
+TEST_CASE("predict, estimator KEYS_LSE_SPLIT2: CUDA vs CPU predictor, larger shapes", "[gpu][predict][keys_lse][split2]") {
+  const std::vector<PredCase> cases = {
+      {"split2-L8192-causal", shp(1, 4, 2, 8192, 8192, 64, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false},
+      {"split2-L2000-d96", shp(1, 2, 1, 2000, 2000, 96, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false},
+      {"split2-L700-d256", shp(1, 2, 1, 700, 700, 256, false), Layout::HND, SPARGE_DTYPE_BFLOAT16, false},
+  };
+  run_split2_cases(cases, true);
 }
 
 // ---------------------------------------------------------------- KEYS_LSE block scores

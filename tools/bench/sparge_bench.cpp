@@ -47,6 +47,7 @@ struct Options {
   int64_t batch = 1, heads = 32, kv_heads = 0;  // kv_heads 0: = heads
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
+  sparge_estimator_t estimator = SPARGE_ESTIMATOR_KEYS_LSE;
   int warmup = 3, min_iters = 10, max_iters = 100;
   double target_ms = 250;
   std::string csv, tag;
@@ -85,6 +86,7 @@ void usage() {
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
       "  --kv-heads H      K/V heads (default: --heads; GQA when fewer, a divisor of --heads)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
+      "  --estimator E     keys_lse (default), keys_lse_split2 or mean\n"
       "  --lse             also write the LSE output\n"
       "  --warmup N (3)  --min-iters N (10)  --max-iters N (100)  --target-ms T (250)\n"
       "  --quick           N=8K, D=128, non-causal, warmup 1, 3..5 iterations\n"
@@ -126,6 +128,18 @@ bool parse(int argc, char** argv, Options& o) {
       o.dtype = t == "fp16" ? SPARGE_DTYPE_FLOAT16 : SPARGE_DTYPE_BFLOAT16;
     } else if (a == "--topk") {
       o.topk = static_cast<float>(std::atof(next().c_str()));
+    } else if (a == "--estimator") {
+      const std::string e = next();
+      if (e == "keys_lse") {
+        o.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+      } else if (e == "keys_lse_split2") {
+        o.estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+      } else if (e == "mean") {
+        o.estimator = SPARGE_ESTIMATOR_MEAN;
+      } else {
+        std::fprintf(stderr, "--estimator: keys_lse, keys_lse_split2 or mean, got %s\n", e.c_str());
+        return false;
+      }
     } else if (a == "--lse") {
       o.lse = true;
     } else if (a == "--warmup") {
@@ -278,9 +292,12 @@ int main(int argc, char** argv) {
   std::printf("# sparge_bench: libsparge %d.%d.%d on %s (sm_%d%d, %d SMs, L2 %d MB)%s%s\n", maj, min, pat, prop.name,
               prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20, o.tag.empty() ? "" : ", ",
               o.tag.c_str());
-  std::printf("# B=%lld H=%lld Hkv=%lld dtype=%s topk=%.2f; median of per-iteration CUDA event times\n\n",
+  std::printf("# B=%lld H=%lld Hkv=%lld dtype=%s topk=%.2f estimator=%s; median of per-iteration CUDA event times\n\n",
               static_cast<long long>(o.batch), static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
-              o.dtype == SPARGE_DTYPE_FLOAT16 ? "fp16" : "bf16", o.topk);
+              o.dtype == SPARGE_DTYPE_FLOAT16 ? "fp16" : "bf16", o.topk,
+              o.estimator == SPARGE_ESTIMATOR_KEYS_LSE          ? "keys_lse"
+              : o.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 ? "keys_lse_split2"
+                                                                : "mean");
   std::fflush(stdout);
 
   cudaStream_t stream;
@@ -370,6 +387,7 @@ int main(int argc, char** argv) {
         const double dense_flop = 4.0 * B * H * static_cast<double>(N) * N * D * (causal ? 0.5 : 1.0);
         sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
         prm.topk = o.topk;
+        prm.estimator = o.estimator;
         double dense_ms = NAN, pred_density = NAN;
 
         auto emit = [&](Row r) {

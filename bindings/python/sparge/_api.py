@@ -313,7 +313,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         estimator: block importance: "keys_lse" (default: mean-pooled Q against every key, log-sum-exp
             per key block; closest to the oracle mask, docs/ACCURACY.md), "keys_lse_split2" (keys_lse for
             two groups of similar rows per query block, their block distributions averaged: closer still
-            on vision transformers at twice the scoring cost; CPU tensors only today) or "mean"
+            on vision transformers at about twice the prediction cost) or "mean"
             (mean-pooled Q and K, the original SpargeAttn rule).
         precision: ``"auto"`` (default: ``"int8_fp8"`` on compute capability 9.0 when head_dim <= 128
             and the sequence is long enough for its preparation passes to pay off, an effective length

@@ -93,14 +93,14 @@ struct WarpRows {
   float fac[MT][2];       // scale * 2^-s
   float f2[MT][2];        // fac * log2(e)
   int32_t last[MT][2];    // last visible key of the row (-1: none, or a padding row)
-  int64_t srow[MT][2];    // score row offset (bh * nQB + qb) * nKB
+  float* out[MT][2];      // score row (ks::CtaWork::Row::out)
 
   // The score tile of key tile `tile` (keys j0..j0+63, in shared memory at sbase + this lane's
   // ldmatrix row) for row tiles M0..MT-1, and its block scores. MASK: some row does not see every
   // key of the tile (causal extent, or keys past Lkv).
   template <int M0, bool MASK>
-  __device__ __forceinline__ void tile_scores(uint32_t sbase, int lsel, int lxor, int tq, int32_t j0, int64_t tile,
-                                              float* scores) const {
+  __device__ __forceinline__ void tile_scores(uint32_t sbase, int lsel, int lxor, int tq, int32_t j0,
+                                              int64_t tile) const {
     // acc[mt][n][2r + e]: row gq + 8r of tile mt, key 8n + 2tq + e
     float acc[MT][8][4];
 #pragma unroll
@@ -128,7 +128,7 @@ struct WarpRows {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         ks::tile_row_score<MASK>([&](int n, int i) { return acc[mt][n][i]; }, r, tq, last[mt][r] - j0,
-                                 fac[mt][r], f2[mt][r], scores + srow[mt][r] + tile);
+                                 fac[mt][r], f2[mt][r], out[mt][r] + tile);
   }
 };
 
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
     if (mt > 0) mvis[mt] = max(mvis[mt], mvis[mt - 1]);
   }
   const int64_t wfirst = row0 + 16 * MT * warp;
-  const int32_t kmin = wfirst < a.rows ? ks::row_last_key(p, wfirst / g) : -1;
+  const int32_t kmin = wfirst < a.rows ? ks::row_last_key(p, ks::row_qblock(a, wfirst, g)) : -1;
 
   const uint32_t smem0 = smem_u32(ks_smem);
   const Loader<DK, T> ld(a, b, hk);
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const ks::CtaWork::Row rr = cw.row<DK>(a, row0 + 16 * (MT * warp + mt) + gq + 8 * r);
-      wr.srow[mt][r] = rr.srow;
+      wr.out[mt][r] = rr.out;
       wr.last[mt][r] = rr.last;
       const float fac = ks::row_fragments<DK, T>(rr.pq, D, tq, p.scale, r, wr.a[mt]);
       wr.fac[mt][r] = fac;
@@ -212,21 +212,21 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
     const int32_t j0 = int32_t(tile * kKeys);
     if constexpr (MT == 2) {
       if (tile >= mvis[0]) {  // past the first row tile's extent (causal): the second tile only
-        wr.template tile_scores<1, true>(sbase, lsel, lxor, tq, j0, tile, a.scores);
+        wr.template tile_scores<1, true>(sbase, lsel, lxor, tq, j0, tile);
         continue;
       }
     }
     if (j0 + kKeys - 1 <= kmin)
-      wr.template tile_scores<0, false>(sbase, lsel, lxor, tq, j0, tile, a.scores);
+      wr.template tile_scores<0, false>(sbase, lsel, lxor, tq, j0, tile);
     else
-      wr.template tile_scores<0, true>(sbase, lsel, lxor, tq, j0, tile, a.scores);
+      wr.template tile_scores<0, true>(sbase, lsel, lxor, tq, j0, tile);
   }
 }
 
 }  // namespace
 
 sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream,
-                                  const KeptRef* kept, bool* kept_zeroed) {
+                                  const KeptRef* kept, bool* kept_zeroed, bool split2) {
   if (kept_zeroed) *kept_zeroed = false;
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
@@ -238,9 +238,11 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   ks::Args ka;
   ka.prob = p;
   ka.k = k;
-  ka.pooled_q = ws_ptr<float>(base, L.pooled_q);
+  ka.sub = split2 ? 2 : 1;
+  ka.pooled_q = ws_ptr<float>(base, split2 ? L.split_q : L.pooled_q);
   ka.scores = ws_ptr<float>(base, L.scores);
-  ka.rows = p.group() * p.nQB;
+  ka.scores2 = split2 ? ws_ptr<float>(base, L.idx) : nullptr;  // int32 lists later: the same size
+  ka.rows = p.group() * p.nQB * ka.sub;
   ka.kept = kept ? *kept : KeptRef{nullptr, 0, 0};
   // The grid for the smallest CTA (64 rows) is checked once for both kernels.
   const int64_t key_ctas = ceil_div(p.nKB, kTiles);

@@ -26,9 +26,11 @@ constexpr int kTiles = 32;  // key tiles per CTA (2048 keys; the wgmma kernel ma
 struct Args {
   Problem prob;
   Tensor4 k;
-  const float* pooled_q;  // [B*Hq, nQB, Dk]
-  float* scores;          // [B*Hq, nQB, nKB]
-  int64_t rows;           // pooled rows per kv head: group * nQB
+  const float* pooled_q;  // [B*Hq, nQB, sub, Dk]
+  float* scores;          // [B*Hq, nQB, nKB]: the scores of pooled row 0 of each query block
+  float* scores2;         // [B*Hq, nQB, nKB]: those of pooled row 1 (sub = 2; KEYS_LSE_SPLIT2's second group)
+  int64_t rows;           // pooled rows per kv head: group * nQB * sub
+  int32_t sub;            // pooled rows per query block: 1 (KEYS_LSE) or 2 (KEYS_LSE_SPLIT2)
   uint32_t row_ctas, key_ctas;
   uint32_t tiles;         // key tiles per CTA (key_ctas = ceil(nKB / tiles))
   KeptRef kept;           // data != null: the kept counters [B, Hq], reset by CTA 0 (the selection adds to them)
@@ -42,6 +44,9 @@ __device__ __forceinline__ void reset_kept(const Args& a) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
     a.kept.data[(i / a.prob.Hq) * a.kept.s0 + (i % a.prob.Hq) * a.kept.s1] = 0;
 }
+
+// Query block of pooled row r of a kv head (rows are query-block major: r = (qb sub + s) g + h % g).
+__device__ __forceinline__ int64_t row_qblock(const Args& a, int64_t r, uint32_t g) { return r / g / a.sub; }
 
 // Last visible key of query block qb's last row (-1: none).
 __device__ __forceinline__ int32_t row_last_key(const Problem& p, int64_t qb) {
@@ -67,7 +72,7 @@ struct CtaWork {
     b = bhk / Hkv, hk = bhk % Hkv;
     row0 = int64_t(rc) * rows_per_cta;
     const int64_t row_last = min(a.rows, row0 + rows_per_cta) - 1;
-    const int64_t vis = visible_key_blocks(p, row_last / g);
+    const int64_t vis = visible_key_blocks(p, row_qblock(a, row_last, g));
     t_begin = int64_t(kc) * a.tiles;
     const int64_t t_end = min(vis, t_begin + int64_t(a.tiles));
     ntiles = t_begin < t_end ? int(t_end - t_begin) : 0;
@@ -75,24 +80,25 @@ struct CtaWork {
   // Key blocks visible to the last of rows [first, first + n) that exist (0 if none does).
   __device__ __forceinline__ int64_t extent(const Args& a, int64_t first, int n) const {
     const int64_t lastr = min(a.rows, first + n) - 1;
-    return lastr < first ? 0 : visible_key_blocks(a.prob, lastr / g);
+    return lastr < first ? 0 : visible_key_blocks(a.prob, row_qblock(a, lastr, g));
   }
-  // Pooled row `row` of the CTA's kv head (query block row / g of query head hk g + row % g): its
-  // float32 values (nullptr past the rows: a padding row), its score row offset (bh nQB + qb) nKB
-  // and the last key it sees (-1 for a padding row).
+  // Pooled row `row` of the CTA's kv head (pooled row s = (row / g) % sub of query block
+  // row / g / sub of query head hk g + row % g): its float32 values (nullptr past the rows: a
+  // padding row), its score row (scores, or scores2 for s = 1, + (bh nQB + qb) nKB; nullptr for a
+  // padding row) and the last key it sees (-1 for a padding row).
   struct Row {
     const float* pq;
-    int64_t srow;
+    float* out;
     int32_t last;
   };
   template <int DK>
   __device__ __forceinline__ Row row(const Args& a, int64_t r) const {
-    Row o{nullptr, 0, -1};
+    Row o{nullptr, nullptr, -1};
     if (r < a.rows) {
       const Problem& p = a.prob;
-      const int64_t qb = r / g, h = int64_t(hk) * g + r % g, bh = int64_t(b) * p.Hq + h;
-      o.pq = a.pooled_q + (bh * p.nQB + qb) * DK;
-      o.srow = (bh * p.nQB + qb) * p.nKB;
+      const int64_t qs = r / g, qb = qs / a.sub, h = int64_t(hk) * g + r % g, bh = int64_t(b) * p.Hq + h;
+      o.pq = a.pooled_q + ((bh * p.nQB + qb) * a.sub + qs % a.sub) * DK;
+      o.out = (qs % a.sub == 0 ? a.scores : a.scores2) + (bh * p.nQB + qb) * p.nKB;
       o.last = row_last_key(p, qb);
     }
     return o;

@@ -497,7 +497,7 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   sa.kept = kept_ptr, sa.kept_s0 = ks0, sa.kept_s1 = ks1;
   const int64_t nsb = bhq * sa.ntq * sa.ntk;
   if (nsb > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "score grid too large");
-  if (cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) {  // scores written by launch_key_scores (preparation)
+  if (keys_estimator(cfg.estimator)) {  // scores written by launch_key_scores (preparation)
     if (!kept_zeroed)
       SPARGE_PDL_CHECK(launch_pdl(zero_kept_kernel, dim3(1), dim3(256), 0, stream, kept_ptr, p.B, p.Hq, ks0, ks1),
                        "sparge kept-count zeroing kernel");

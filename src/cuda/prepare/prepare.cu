@@ -447,7 +447,10 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   // and the pooled queries, nothing else (a K mean shifts every score of a row
   // by the same q . mean, which no selection sees): no column statistics, no
   // pooled K, no K pass.
-  const bool q_only = !quant && cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE && no_sim_forcing;
+  const bool split2 = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+  const bool q_only = !quant && keys_estimator(cfg.estimator) && no_sim_forcing;
+  // ... and with KEYS_LSE_SPLIT2 not even the pooled queries: its grouping kernel reads Q itself.
+  const bool no_q_pass = q_only && split2;
   const bool fused_kpool = !quant && !q_only && do_k && no_sim_forcing;
   const bool q_late = quant && lse_shift && do_k;  // q . k_mean needs the K mean
 
@@ -486,7 +489,9 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.q_i8 = quant ? ws_ptr<int8_t>(base, L.q_i8) : nullptr;
     qa.q_scale = quant ? ws_ptr<float>(base, L.q_scale) : nullptr;
     qa.q_mu = quant ? ws_ptr<float>(base, L.q_mu) : nullptr;
-    if (q_late) {
+    if (no_q_pass) {
+      // nothing: A.n_q = B.n_q = 0
+    } else if (q_late) {
       B.q = qa;
       B.n_q = uint32_t(bhq * p.nQB);
     } else {
@@ -571,10 +576,13 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   }
   if (order_groups > 0) SPARGE_TRY(lists::launch_order(plan, B.ord, order_groups, stream));
 
-  // Block scores from every key (estimator KEYS_LSE; the pooled Q of stage A or B is ready).
-  if (pool && cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE) {
+  // Block scores from every key (estimator KEYS_LSE: the pooled Q of stage A or B is ready;
+  // KEYS_LSE_SPLIT2: the groups' mean rows first, the combination of their scores after).
+  if (pool && keys_estimator(cfg.estimator)) {
+    if (split2) SPARGE_TRY(launch_split2_group(plan, q, ws, stream));
     const KeptRef kr = kept_ref(plan, kept, ws);
-    SPARGE_TRY(launch_key_scores(plan, k, ws, stream, kept_zeroed ? &kr : nullptr, kept_zeroed));
+    SPARGE_TRY(launch_key_scores(plan, k, ws, stream, kept_zeroed ? &kr : nullptr, kept_zeroed, split2));
+    if (split2) SPARGE_TRY(launch_split2_combine(plan, ws, stream));
   }
   return SPARGE_OK;
 }

@@ -64,16 +64,15 @@ __device__ __forceinline__ void issue_tile(float (&d)[32], const uint32_t (&qa)[
 struct Rows90 {
   float fac[2], f2[2];
   int32_t last[2];   // last visible key (-1: none, or a padding row)
-  int64_t srow[2];   // score row offset (bh * nQB + qb) * nKB
+  float* out[2];     // score row (CtaWork::Row::out)
 };
 
 template <bool MASK>
-__device__ __forceinline__ void reduce_tile(const float (&d)[32], const Rows90& rw, int tq, int32_t j0, int64_t tile,
-                                            float* scores) {
+__device__ __forceinline__ void reduce_tile(const float (&d)[32], const Rows90& rw, int tq, int32_t j0, int64_t tile) {
 #pragma unroll
   for (int r = 0; r < 2; ++r)
     ks::tile_row_score<MASK>([&](int n, int i) { return d[4 * n + i]; }, r, tq, rw.last[r] - j0, rw.fac[r],
-                             rw.f2[r], scores + rw.srow[r] + tile);
+                             rw.f2[r], rw.out[r] + tile);
 }
 
 template <int DK, class T, int WG, bool VEC, bool DEEP>
@@ -115,7 +114,7 @@ __global__ void __launch_bounds__(Ks90<DK, WG, DEEP>::kThreads, Ks90<DK, WG, DEE
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const ks::CtaWork::Row rr = cw.row<DK>(a, cw.row0 + 16 * warp + gq + 8 * r);
-    rw.srow[r] = rr.srow;
+    rw.out[r] = rr.out;
     rw.last[r] = rr.last;
     rw.fac[r] = ks::row_fragments<DK, T>(rr.pq, int(p.D), tq, p.scale, r, qa);
     rw.f2[r] = rw.fac[r] * 1.4426950408889634f;
@@ -130,7 +129,7 @@ __global__ void __launch_bounds__(Ks90<DK, WG, DEEP>::kThreads, Ks90<DK, WG, DEE
   // (a thread-dependent one makes ptxas serialize the wgmmas): every warpgroup multiplies every tile
   // of the CTA (with causality, a warpgroup's tiles past its own rows' extent are computed and not
   // written), and a tile is reduced without masks when the CTA's first row sees all of it.
-  const int32_t kmin = ks::row_last_key(p, cw.row0 / cw.g);
+  const int32_t kmin = ks::row_last_key(p, ks::row_qblock(a, cw.row0, cw.g));
   float acc0[32], acc1[32];
   sm90::wgmma_fence();
   issue_tile<DK, T>(acc0, qa, dk(0));
@@ -149,9 +148,9 @@ __global__ void __launch_bounds__(Ks90<DK, WG, DEEP>::kThreads, Ks90<DK, WG, DEE
     const int64_t tile = t_begin + i;
     const int32_t j0 = int32_t(tile * kKeys);
     if (j0 + kKeys - 1 <= kmin)
-      reduce_tile<false>(cur, rw, tq, j0, tile, a.scores);
+      reduce_tile<false>(cur, rw, tq, j0, tile);
     else
-      reduce_tile<true>(cur, rw, tq, j0, tile, a.scores);
+      reduce_tile<true>(cur, rw, tq, j0, tile);
   };
   auto step = [&](int i, float (&cur)[32], float (&nxt)[32]) {
     ring(i);
@@ -194,7 +193,7 @@ static int64_t active_ctas(const Args& a, int rows_per_cta, int tiles) {
   int64_t active = 0;
   for (int64_t rc = 0; rc < row_ctas; ++rc) {
     const int64_t last = std::min(a.rows, (rc + 1) * rows_per_cta) - 1;
-    active += ceil_div(visible_key_blocks(p, last / g), int64_t(tiles));
+    active += ceil_div(visible_key_blocks(p, last / g / a.sub), int64_t(tiles));
   }
   return active * p.B * p.Hkv;
 }

@@ -1,0 +1,303 @@
+// Estimator KEYS_LSE_SPLIT2 on CUDA (docs/SEMANTICS.md, "Mask prediction", step 3; pipeline and
+// costs: docs/PREDICTION.md). Three launches after the preparation's passes:
+//   1. split2_group_kernel: per 128-row query block, the two groups of similar rows and their float32
+//      mean rows and sizes, in float64 with the CPU reference's operations in its order (column sums
+//      in row order, squared distances in column order, no fused multiply-adds), so that groups and
+//      means equal the CPU backend's bit for bit;
+//   2. the KEYS_LSE block-score kernels on both mean rows of every query block (ks::Args::sub = 2),
+//      the first group's scores into the score region, the second group's into the index-list region
+//      (free until the selection writes the lists, after step 3 has read it);
+//   3. split2_combine_kernel: per row, each group's scores normalized over the visible blocks and
+//      their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)), in float64, rounded to
+//      float32 into the score region, which the selection then ranks as KEYS_LSE scores.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/error.hpp"
+#include "cuda/common/device.cuh"
+#include "cuda/common/internal.cuh"
+#include "cuda/common/launch.cuh"
+#include "cuda/predict/predict.cuh"
+
+namespace sparge {
+namespace cuda {
+namespace {
+
+constexpr int kGThreads = 128;  // one thread per row of a query block (kGpuBlockQ rows)
+static_assert(kGThreads == kGpuBlockQ, "one grouping thread per query row");
+
+struct GroupArgs {
+  Tensor4 q;
+  int d_in;  // the tensor's head dim (<= Dk)
+  int64_t Hq, Lq, nQB;
+  float* rows;   // [B*Hq, nQB, 2, Dk]: the groups' mean rows (zeros past d_in, and for an empty group)
+  float* count;  // [B*Hq, nQB, 2]: the groups' sizes
+};
+
+template <int DK>
+struct GroupSmem {
+  static constexpr int kPitch = DK + 2;  // 16-bit elements per row: thread r reads row r, banks (r + c/2) mod 32
+  static constexpr int kBytes = kGThreads * kPitch * 2 + DK * 8 + kGThreads + 64;
+};
+
+template <class T>
+__device__ __forceinline__ double elem(const unsigned short* x) {
+  if constexpr (std::is_same<T, __half>::value)
+    return double(__half2float(__ushort_as_half(*x)));
+  else
+    return double(__uint_as_float(uint32_t(*x) << 16));
+}
+
+// Squared Euclidean distance of row r to ref (float64, column order, no contraction: the CPU's sum).
+template <class T>
+__device__ __forceinline__ double dist2(const unsigned short* row, const double* ref, int d_in) {
+  double s = 0.0;
+  for (int c = 0; c < d_in; ++c) {
+    const double t = __dsub_rn(elem<T>(row + c), ref[c]);
+    s = __dadd_rn(s, __dmul_rn(t, t));
+  }
+  return s;
+}
+
+// The farthest row: the largest distance, the lowest row on equal distances; NaN distances (and
+// padding rows, d < 0) never win over a number; with no number at all, row 0 (the CPU's scan from
+// the first row with `d > best`, best starting below every distance).
+__device__ __forceinline__ int farthest(double d, int r, double* red_d, int* red_r) {
+  bool ok = d >= 0.0;  // false for NaN and padding
+  auto better = [](bool oa, double da, int ra, bool ob, double db, int rb) {
+    if (oa != ob) return oa;
+    if (oa && da != db) return da > db;
+    return ra < rb;
+  };
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const double d2 = __shfl_xor_sync(0xffffffffu, d, o);
+    const int r2 = __shfl_xor_sync(0xffffffffu, r, o);
+    const bool o2 = __shfl_xor_sync(0xffffffffu, int(ok), o) != 0;
+    if (better(o2, d2, r2, ok, d, r)) d = d2, r = r2, ok = o2;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // the previous use of red_* is over
+  if (lane == 0) red_d[warp] = ok ? d : -1.0, red_r[warp] = r;
+  __syncthreads();
+  double bd = red_d[0];
+  int br = red_r[0];
+#pragma unroll
+  for (int w = 1; w < kGThreads / 32; ++w)
+    if (better(red_d[w] >= 0.0, red_d[w], red_r[w], bd >= 0.0, bd, br)) bd = red_d[w], br = red_r[w];
+  return br;
+}
+
+// CTA: one per (b, h, query block); thread r owns row r of the block in the distance passes and
+// column c (c = tid, tid + 128) in the column sums. The block's rows sit in shared memory as the
+// input's 16-bit values.
+template <int DK, class T, bool VEC>
+__global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  using Sm = GroupSmem<DK>;
+  extern __shared__ __align__(16) unsigned char g_smem[];
+  unsigned short* xs = reinterpret_cast<unsigned short*>(g_smem);  // [128][kPitch]
+  double* ref = reinterpret_cast<double*>(g_smem + kGThreads * Sm::kPitch * 2);  // [DK]: the mean, then row b
+  unsigned char* lab = reinterpret_cast<unsigned char*>(ref + DK);               // [128]: 1 = group b
+  double* red_d = reinterpret_cast<double*>(g_smem + kGThreads * Sm::kPitch * 2 + DK * 8 + kGThreads);  // [4]
+  int* red_r = reinterpret_cast<int*>(red_d + kGThreads / 32);                                          // [4]
+
+  const int64_t cta = blockIdx.x;
+  const int64_t qb = cta % a.nQB, bh = cta / a.nQB;
+  const uint32_t b = uint32_t(bh / a.Hq), h = uint32_t(bh % a.Hq);
+  const int64_t r0 = qb * kGThreads;
+  const int n = int(min(a.Lq - r0, int64_t(kGThreads)));
+  const int d_in = a.d_in;
+  const int tid = threadIdx.x;
+
+  // the block's rows (zeros past n and past d_in)
+  {
+    constexpr int TPR = DK / 8, RPI = kGThreads / TPR;
+    const int lr = tid / TPR, cg = tid % TPR;
+    const T* base = static_cast<const T*>(a.q.data);
+    for (int r = lr; r < kGThreads; r += RPI) {
+      const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<VEC>(base + a.q.offset(b, h, r0 + r, cg * 8))
+                                               : make_uint4(0, 0, 0, 0);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xs + r * Sm::kPitch + cg * 8);
+      dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+    }
+  }
+  __syncthreads();
+  // the mean row (float64 column sums in row order, then / n)
+  for (int c = tid; c < d_in; c += kGThreads) {
+    double s = 0.0;
+    for (int r = 0; r < n; ++r) s = __dadd_rn(s, elem<T>(xs + r * Sm::kPitch + c));
+    ref[c] = __ddiv_rn(s, double(n));
+  }
+  __syncthreads();
+  const unsigned short* mine = xs + tid * Sm::kPitch;
+  const bool real = tid < n;
+  // seed a: farthest from the mean; seed b: farthest from a
+  const int ra = farthest(real ? dist2<T>(mine, ref, d_in) : -1.0, tid, red_d, red_r);
+  for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + ra * Sm::kPitch + c);
+  __syncthreads();
+  const double da = real ? dist2<T>(mine, ref, d_in) : -1.0;
+  const int rb = farthest(da, tid, red_d, red_r);  // (its barriers also end every read of ref as row a)
+  for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + rb * Sm::kPitch + c);
+  __syncthreads();
+  // a row joins b when strictly nearer to b than to a (NaN: stays with a)
+  const bool to_b = real && dist2<T>(mine, ref, d_in) < da;
+  lab[tid] = to_b ? 1 : 0;
+  const int nb = __syncthreads_count(to_b);
+  const int na = n - nb;
+  // the groups' mean rows: float32 of the float64 column sums (row order) / the group's size
+  float* out = a.rows + (bh * a.nQB + qb) * 2 * DK;
+  for (int c = tid; c < DK; c += kGThreads) {
+    double sa = 0.0, sb = 0.0;
+    if (c < d_in)
+      for (int r = 0; r < n; ++r) {
+        const double x = elem<T>(xs + r * Sm::kPitch + c);
+        if (lab[r])
+          sb = __dadd_rn(sb, x);
+        else
+          sa = __dadd_rn(sa, x);
+      }
+    out[c] = na ? float(__ddiv_rn(sa, double(na))) : 0.0f;
+    out[DK + c] = nb ? float(__ddiv_rn(sb, double(nb))) : 0.0f;
+  }
+  if (tid == 0) {
+    a.count[(bh * a.nQB + qb) * 2] = float(na);
+    a.count[(bh * a.nQB + qb) * 2 + 1] = float(nb);
+  }
+}
+
+struct CombineArgs {
+  Problem prob;
+  float* scores;         // [B*Hq, nQB, nKB]: group a's block scores in, the combined scores out
+  const float* scores2;  // [B*Hq, nQB, nKB]: group b's block scores
+  const float* count;    // [B*Hq, nQB, 2]
+};
+
+constexpr int kCWarps = 4;  // rows per CTA, a warp each
+
+__device__ __forceinline__ double warp_max_d(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One warp per (bh, qb) row. Per group g of n_g > 0 rows: m_g = the largest visible score (NaN
+// ignored), norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is infinite: the CPU's arithmetic),
+// u_g = s_g + (log(n_g / n) - norm_g); the block's score is float32(m + log sum_g exp(u_g - m)),
+// m = max_g u_g, or NaN where some u_g is not finite.
+__global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const CombineArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  const Problem& p = a.prob;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kCWarps + (threadIdx.x >> 5);
+  if (row >= p.B * p.Hq * p.nQB) return;  // warp-uniform
+  const int64_t qb = row % p.nQB;
+  const int64_t vis = visible_key_blocks(p, qb);
+  if (vis <= 0) return;
+  float* s0 = a.scores + row * p.nKB;
+  const float* s1 = a.scores2 + row * p.nKB;
+  const float n0 = a.count[2 * row], n1 = a.count[2 * row + 1];
+  const double n = double(n0) + double(n1);
+  double shift[2] = {0.0, 0.0};  // log(n_g / n) - norm_g
+  const bool has[2] = {n0 > 0.f, n1 > 0.f};
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    if (!has[g]) continue;  // warp-uniform
+    const float* s = g ? s1 : s0;
+    double m = -INFINITY;
+    for (int64_t kb = lane; kb < vis; kb += 32) m = fmax(m, double(s[kb]));
+    m = warp_max_d(m);
+    double sum = 0.0;
+    for (int64_t kb = lane; kb < vis; kb += 32) sum += exp(double(s[kb]) - m);
+    sum = warp_sum_d(sum);
+    const double norm = m + log(sum);
+    shift[g] = log(double(g ? n1 : n0) / n) - norm;
+  }
+  for (int64_t kb = lane; kb < vis; kb += 32) {
+    double u[2] = {0.0, 0.0}, m = -INFINITY;
+    bool bad = false;
+#pragma unroll
+    for (int g = 0; g < 2; ++g)
+      if (has[g]) {
+        u[g] = double((g ? s1 : s0)[kb]) + shift[g];
+        bad |= !isfinite(u[g]);
+        m = fmax(m, u[g]);
+      }
+    double sum = 0.0;
+#pragma unroll
+    for (int g = 0; g < 2; ++g)
+      if (has[g]) sum += exp(u[g] - m);
+    s0[kb] = bad ? NAN : float(m + log(sum));
+  }
+}
+
+}  // namespace
+
+sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream) {
+  const Problem& p = plan.prob;
+  const WorkspaceLayout& L = plan.ws;
+  if (p.BQ != kGpuBlockQ)
+    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE_SPLIT2 on CUDA needs block_q = %d, got %lld",
+                kGpuBlockQ, (long long)p.BQ);
+  if (L.split_q == 0 || L.split_n == 0)
+    return fail(SPARGE_ERR_INTERNAL, "CUDA KEYS_LSE_SPLIT2: workspace layout lacks its regions");
+  const int64_t n = p.B * p.Hq * p.nQB;
+  if (n <= 0) return SPARGE_OK;
+  if (n > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "KEYS_LSE_SPLIT2 grouping grid too large");
+  char* base = static_cast<char*>(ws);
+  GroupArgs ga;
+  ga.q = q;
+  ga.d_in = int(p.D);
+  ga.Hq = p.Hq, ga.Lq = p.Lq, ga.nQB = p.nQB;
+  ga.rows = ws_ptr<float>(base, L.split_q);
+  ga.count = ws_ptr<float>(base, L.split_n);
+  bool vec = reinterpret_cast<uintptr_t>(q.data) % 16 == 0;
+  for (int d = 0; d < 3; ++d)
+    if (q.shape[d] > 1 && q.stride[d] % 8 != 0) vec = false;
+  sparge_status_t st = SPARGE_OK;
+  cudaError_t err = cudaSuccess;
+  const bool built = dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
+    constexpr int DK = decltype(dc)::value;
+    using T = typename decltype(tt)::type;
+    auto kern = vec ? split2_group_kernel<DK, T, true> : split2_group_kernel<DK, T, false>;
+    constexpr int smem = GroupSmem<DK>::kBytes;
+    st = ensure_smem_attr(reinterpret_cast<const void*>(kern), smem, p.device_id);
+    if (st == SPARGE_OK) err = launch_pdl(kern, dim3(unsigned(n)), dim3(kGThreads), size_t(smem), stream, ga);
+  });
+  if (!built)
+    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE_SPLIT2 on CUDA: kernel head dim %lld not built",
+                (long long)p.Dk);
+  SPARGE_TRY(st);
+  SPARGE_PDL_CHECK(err, "sparge KEYS_LSE_SPLIT2 grouping kernel");
+  return SPARGE_OK;
+}
+
+sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream) {
+  const Problem& p = plan.prob;
+  const WorkspaceLayout& L = plan.ws;
+  const int64_t rows = p.B * p.Hq * p.nQB;
+  if (rows <= 0) return SPARGE_OK;
+  const int64_t ctas = ceil_div(rows, kCWarps);
+  if (ctas > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "KEYS_LSE_SPLIT2 combination grid too large");
+  char* base = static_cast<char*>(ws);
+  CombineArgs ca;
+  ca.prob = p;
+  ca.scores = ws_ptr<float>(base, L.scores);
+  ca.scores2 = ws_ptr<float>(base, L.idx);
+  ca.count = ws_ptr<float>(base, L.split_n);
+  SPARGE_PDL_CHECK(launch_pdl(split2_combine_kernel, dim3(unsigned(ctas)), dim3(32 * kCWarps), 0, stream, ca),
+                   "sparge KEYS_LSE_SPLIT2 combination kernel");
+  return SPARGE_OK;
+}
+
+}  // namespace cuda
+}  // namespace sparge
