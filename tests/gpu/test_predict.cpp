@@ -570,6 +570,18 @@ double lse_score_move(const Inputs& in, int64_t b, int64_t hk, int64_t last_key,
   return worst;
 }
 
+// Heads whose kept count differs from the number of kept blocks in their (batch 0) mask rows.
+int64_t kept_mismatches(const PredictResult& g, const Shape& s) {
+  const int64_t nQB = s.nQB(), nKB = s.nKB();
+  int64_t bad = 0;
+  for (int64_t h = 0; h < s.Hq; ++h) {
+    int64_t n = 0;
+    for (size_t i = size_t(h * nQB * nKB); i < size_t((h + 1) * nQB * nKB); ++i) n += g.mask[i] != 0;
+    bad += g.kept[size_t(h)] != n;
+  }
+  return bad;
+}
+
 // A row of block scores has a near-tie: two of them within tol.
 bool scores_near_tie(std::vector<double> sc, double tol) {
   std::sort(sc.rbegin(), sc.rend());
@@ -605,13 +617,7 @@ static void run_keys_lse_cases(const std::vector<PredCase>& cases) {
       const int64_t nQB = c.s.nQB(), nKB = c.s.nKB(), D = c.s.D, g_ = c.s.group();
       // the kept counts are the GPU mask's own (the block-score kernel resets the poisoned
       // counters that the selection adds to)
-      int64_t kept_bad = 0;
-      for (int64_t h = 0; h < c.s.Hq; ++h) {
-        int64_t n = 0;
-        for (size_t i = size_t(h * nQB * nKB); i < size_t((h + 1) * nQB * nKB); ++i) n += g.mask[i] != 0;
-        kept_bad += g.kept[size_t(h)] != n;
-      }
-      CHECK(kept_bad == 0);
+      CHECK(kept_mismatches(g, c.s) == 0);
       const double scale = static_cast<double>(static_cast<float>(c.s.scale()));
       int64_t bad = 0, ties = 0;
       for (int64_t h = 0; h < c.s.Hq; ++h)
@@ -785,13 +791,7 @@ static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters) 
       REQUIRE(g.status == SPARGE_OK);
       REQUIRE(cp.status == SPARGE_OK);
       const int64_t nQB = c.s.nQB(), nKB = c.s.nKB();
-      int64_t kept_bad = 0;
-      for (int64_t h = 0; h < c.s.Hq; ++h) {
-        int64_t n = 0;
-        for (size_t i = size_t(h * nQB * nKB); i < size_t((h + 1) * nQB * nKB); ++i) n += g.mask[i] != 0;
-        kept_bad += g.kept[size_t(h)] != n;
-      }
-      CHECK(kept_bad == 0);
+      CHECK(kept_mismatches(g, c.s) == 0);
       int64_t bad = 0, ties = 0, rows = 0;
       for (int64_t h = 0; h < c.s.Hq; ++h)
         for (int64_t qb = 0; qb < nQB; ++qb) {
