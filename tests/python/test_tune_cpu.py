@@ -37,7 +37,7 @@ def test_tuned_settings_meet_the_target(rng, tmp_path, metric, target, causal):
     T.write_tuned(path, [layer])
     got = sparge.load_tuned(path)["blk0"]
     assert got.mode == layer.mode and got.sink == layer.sink and got.window == layer.window
-    assert got.estimator == layer.estimator in ("mean", "keys_lse")
+    assert got.estimator == layer.estimator in ("mean", "keys_lse", "keys_lse_split2")
     np.testing.assert_allclose(got.values, layer.values, rtol=1e-5)
     for cap in caps:
         mask = sparge.predict_mask(cap.q[None], cap.k[None], is_causal=causal, precision="exact",
@@ -94,6 +94,11 @@ def test_estimator_default_and_older_files(tmp_path):
     got = sparge.load_tuned(str(old))["a"]
     assert got.estimator == "mean" and got.kwargs()["estimator"] == "mean"
     assert got.sink and got.window == 1 and got.values == [0.5]
+    # the two-group estimator round-trips
+    layer.estimator = "keys_lse_split2"
+    T.write_tuned(path, [layer])
+    assert " estimator keys_lse_split2\n" in open(path).read()
+    assert sparge.load_tuned(path)["a"].kwargs()["estimator"] == "keys_lse_split2"
 
 
 def test_capture_helper_roundtrip(rng, tmp_path):
