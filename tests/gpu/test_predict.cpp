@@ -786,8 +786,10 @@ static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters) 
       prm.topk = topk;
       prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
       INFO(c.name << (clusters ? " clusters" : "") << " topk " << topk << " [" << c.s.str() << "] seed " << seed);
-      const PredictResult g = gpu_predict(in, din, SPARGE_PRECISION_INT8_FP8, prm, nullptr, false, stream.get());
-      const PredictResult cp = cpu_predict(in, SPARGE_PRECISION_INT8_FP8, prm, nullptr);
+      // (INT8_FP8 plans have head dims up to 128)
+      const sparge_precision_t prec = c.s.D > 128 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_INT8_FP8;
+      const PredictResult g = gpu_predict(in, din, prec, prm, nullptr, false, stream.get());
+      const PredictResult cp = cpu_predict(in, prec, prm, nullptr);
       REQUIRE(g.status == SPARGE_OK);
       REQUIRE(cp.status == SPARGE_OK);
       const int64_t nQB = c.s.nQB(), nKB = c.s.nKB();
