@@ -46,7 +46,7 @@ __device__ __forceinline__ void reset_kept(const Args& a) {
 }
 
 // Query block of pooled row r of a kv head (rows are query-block major: r = (qb sub + s) g + h % g).
-__device__ __forceinline__ int64_t row_qblock(const Args& a, int64_t r, uint32_t g) { return r / g / a.sub; }
+SPARGE_HD int64_t row_qblock(const Args& a, int64_t r, int64_t g) { return r / g / a.sub; }
 
 // Last visible key of query block qb's last row (-1: none).
 __device__ __forceinline__ int32_t row_last_key(const Problem& p, int64_t qb) {

@@ -22,6 +22,7 @@
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/predict/predict.cuh"
+#include "cuda/prepare/passes.cuh"
 
 namespace sparge {
 namespace cuda {
@@ -179,17 +180,6 @@ struct CombineArgs {
 
 constexpr int kCWarps = 4;  // rows per CTA, a warp each
 
-__device__ __forceinline__ double warp_max_d(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ double warp_sum_d(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // One warp per (bh, qb) row. Per group g of n_g > 0 rows: m_g = the largest visible score (NaN
 // ignored), norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is infinite: the CPU's arithmetic),
 // u_g = s_g + (log(n_g / n) - norm_g); the block's score is float32(m + log sum_g exp(u_g - m)),
@@ -215,10 +205,10 @@ __global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const Comb
     const float* s = g ? s1 : s0;
     double m = -INFINITY;
     for (int64_t kb = lane; kb < vis; kb += 32) m = fmax(m, double(s[kb]));
-    m = warp_max_d(m);
+    m = warp_max(m);
     double sum = 0.0;
     for (int64_t kb = lane; kb < vis; kb += 32) sum += exp(double(s[kb]) - m);
-    sum = warp_sum_d(sum);
+    sum = warp_sum(sum);
     const double norm = m + log(sum);
     shift[g] = log(double(g ? n1 : n0) / n) - norm;
   }
@@ -260,9 +250,7 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
   ga.Hq = p.Hq, ga.Lq = p.Lq, ga.nQB = p.nQB;
   ga.rows = ws_ptr<float>(base, L.split_q);
   ga.count = ws_ptr<float>(base, L.split_n);
-  bool vec = reinterpret_cast<uintptr_t>(q.data) % 16 == 0;
-  for (int d = 0; d < 3; ++d)
-    if (q.shape[d] > 1 && q.stride[d] % 8 != 0) vec = false;
+  const bool vec = prep::vec_ok(q);
   sparge_status_t st = SPARGE_OK;
   cudaError_t err = cudaSuccess;
   const bool built = dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {

@@ -193,7 +193,7 @@ static int64_t active_ctas(const Args& a, int rows_per_cta, int tiles) {
   int64_t active = 0;
   for (int64_t rc = 0; rc < row_ctas; ++rc) {
     const int64_t last = std::min(a.rows, (rc + 1) * rows_per_cta) - 1;
-    active += ceil_div(visible_key_blocks(p, last / g / a.sub), int64_t(tiles));
+    active += ceil_div(visible_key_blocks(p, row_qblock(a, last, g)), int64_t(tiles));
   }
   return active * p.B * p.Hkv;
 }
