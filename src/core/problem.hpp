@@ -113,6 +113,14 @@ struct PredictConfig {
   const float* sim_per_head = nullptr;
 };
 
+// A prediction that keeps every visible block whatever the scores: TOPK with topk = 1 and no
+// per-head values (the per-head array lies in device memory for CUDA plans). The attention of
+// such a call is dense; the CUDA backend runs it without the prediction, the mask and the index
+// lists (docs/API.md, "Dense calls").
+inline bool keeps_every_block(int32_t mode, float topk, const void* topk_per_head) {
+  return mode == SPARGE_SELECT_TOPK && topk >= 1.0f && topk_per_head == nullptr;
+}
+
 // ---------------------------------------------------------------- semantics
 // Causal rule (bottom-right aligned): query i sees key j iff j <= i + (Lkv - Lq).
 // Last key index visible to query row i (may be < 0: the row sees nothing).

@@ -330,12 +330,13 @@ namespace {
 // first: the key's first call (the preparation clears its ticket words).
 sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, const Tensor4& v, const MaskView* mask,
                         const PredictConfig& cfg, const LseView* lse, void* workspace, const LaunchBlob& blob,
-                        const KernelEntry* entry, cudaStream_t s, bool first) {
+                        const KernelEntry* entry, cudaStream_t s, bool first, bool dense) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   // The pooled means and self-similarities are needed only when the mask is
-  // predicted here.
-  const bool predict_here = (mask == nullptr);
+  // predicted here. A dense call (every visible block kept) predicts nothing and
+  // builds no lists: the kernels enumerate the blocks (attn::DenseWork).
+  const bool predict_here = mask == nullptr && !dense;
   // With the caller's mask, the 8-bit preparation's launches also build its index lists.
   bool lists_done = false;
   // the selection's counters: the workspace's (reset by the block-score kernel where one runs)
@@ -353,11 +354,11 @@ sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, co
     SPARGE_TRY(prepare_impl(plan, q, k, nullptr, cfg, workspace, s, /*quantize=*/false, /*pool=*/true,
                             /*lse_shift=*/false, nullptr, first, &wk, &kept_zeroed));
 
-  if (mask == nullptr) {
+  if (mask == nullptr && !dense) {
     const MaskView wm = workspace_mask(p, workspace, L.mask);
     SPARGE_TRY(launch_select(plan, cfg, wm, &wk, workspace, s, /*lists_too=*/true, kept_zeroed));
     SPARGE_TRY(launch_work_order(plan, workspace, s));
-  } else if (!lists_done) {
+  } else if (mask != nullptr && !lists_done) {
     SPARGE_TRY(launch_mask_to_lists(plan, *mask, workspace, s));
   }
   return entry->run(blob, s);
@@ -402,6 +403,10 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   // A key called before replays its graph (built at its second call) with
   // one launch. Not while the caller captures this stream: the kernels then
   // go into the caller's graph one by one, as below.
+  const bool dense = mask == nullptr && keeps_every_block(cfg.mode, cfg.topk, cfg.topk_per_head);
+  if (key != nullptr && (key->dense != 0) != dense)
+    return fail(SPARGE_ERR_INTERNAL, "attention call key: dense %d, the validated params say %d", int(key->dense),
+                int(dense));
   CallCache* c = plan.call_cache;
   if (key != nullptr && c != nullptr && graphs_enabled() && !stream_capturing(s)) {
     std::lock_guard<std::mutex> lock(c->mu);
@@ -416,7 +421,10 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
         const LaunchBlob& blob = e->blob;
         const KernelEntry* kern = e->kernel;
         const sparge_status_t st = build_graph(
-            s, [&](cudaStream_t cs) { return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, kern, cs, false); },
+            s,
+            [&](cudaStream_t cs) {
+              return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, kern, cs, false, dense);
+            },
             &e->exec);
         e->gcfg = g;
         // No graph for this key: it launches one by one from now on (and what
@@ -450,9 +458,11 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   a.q = q;
   a.k = k;
   a.v = v;
-  a.idx = ws_ptr<const int32_t>(workspace, L.idx);
-  a.cnt = ws_ptr<const int32_t>(workspace, L.cnt);
-  a.order = ws_ptr<const int32_t>(workspace, L.order);
+  if (!dense) {  // dense work: null lists (attn::DenseWork)
+    a.idx = ws_ptr<const int32_t>(workspace, L.idx);
+    a.cnt = ws_ptr<const int32_t>(workspace, L.cnt);
+    a.order = ws_ptr<const int32_t>(workspace, L.order);
+  }
   a.out = out;
   if (lse) a.lse = *lse;
   // Every check of the attention kernel and its tensor maps, before anything
@@ -466,7 +476,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
     if (key != nullptr) cache_store(plan, *key, blob, entry);
     first = true;
   }
-  return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, entry, s, first);
+  return enqueue(plan, q, k, v, mask, cfg, lse, workspace, blob, entry, s, first, dense);
 }
 
 }  // namespace cuda

@@ -1,7 +1,8 @@
 // CUDA attention vs a float64 reference (all rows, or a sample of rows for
 // long sequences) and vs the CPU backend: the quantization twin for the int8
 // modes (int8_fp8, int8_fp8_split_v, int8_fp16), EXACT (float64) for fp16 mode. Random block masks at densities
-// 1, 0.5, 0.1 and 0; causal with Lq = Lkv and Lq != Lkv; GQA; NHD/HND.
+// 1, 0.5, 0.1 and 0; causal with Lq = Lkv and Lq != Lkv; GQA; NHD/HND. At density 1 the dense call
+// (no mask, top-k 1) must give the all-ones mask's bits.
 #include "catch_compat.hpp"
 
 #include <chrono>
@@ -118,6 +119,18 @@ void run_case(const AttnCase& c, const std::vector<double>& densities) {
         REQUIRE(g2.status == SPARGE_OK);
         CHECK(g2.bits == g.bits);
         CHECK(std::memcmp(g2.lse.data(), g.lse.data(), g.lse.size() * 4) == 0);
+        if (d == 1.0) {
+          // A dense call (no mask, top-k 1): the kernels enumerate the visible blocks themselves
+          // (no prediction, no index lists, another row order) and give the all-ones mask's bits.
+          sparge_predict_params_t every = SPARGE_PREDICT_PARAMS_INIT;
+          every.topk = 1.0f;
+          const AttnResult gd = gpu_attention(in, din, prec, nullptr, &every, true, stream.get());
+          REQUIRE(gd.status == SPARGE_OK);
+          CHECK(gd.unwritten == 0);
+          CHECK(gd.clobbered == 0);
+          CHECK(gd.bits == g.bits);
+          CHECK(std::memcmp(gd.lse.data(), g.lse.data(), g.lse.size() * 4) == 0);
+        }
 
         if (d == 0.0) {  // nothing kept: zeros and -inf everywhere
           int64_t bad = 0;

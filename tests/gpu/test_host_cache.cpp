@@ -197,6 +197,18 @@ TEST_CASE("cache: repeated calls (graph replay) read the current inputs, paramet
         CHECK(r3 == a.run(plan));
         a.topk = 0.5f;
         CHECK(r2 == a.run(plan));
+        // top-k 1 on the same pointers: a dense call (a key of its own: no prediction, no lists)
+        a.topk = 1.0f;
+        const std::vector<uint16_t> r4 = a.run(plan);
+        CHECK(r4 != r2);
+        CHECK(r4 == a.fresh(prec));
+        CHECK(r4 == a.run(plan));
+        CHECK(r4 == a.run(plan));
+        a.topk = 0.5f;
+        CHECK(r2 == a.run(plan));
+        a.topk = 1.0f;
+        CHECK(r4 == a.run(plan));
+        a.topk = 0.5f;
       }
       cudaStream_t st = nullptr;
       SGT_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));

@@ -3,10 +3,11 @@
 
 One run compares, per shape, as a user calls them:
 
-  libsparge      sparge.attention(q, k, v, mask=ones, is_causal=...), precision auto (--precision; the
-                 precision the plan resolved to is reported per shape): an all-ones block mask
-                 [B, H, ceil(N/128), ceil(N/64)], i.e. every visible block kept (dense)
-  empty mask     the same call on an all-zeros mask: the fixed cost of a call (no attention work)
+  libsparge      sparge.attention(q, k, v, topk=1.0, is_causal=...), precision auto (--precision; the
+                 precision the plan resolved to is reported per shape): every visible block kept, the
+                 dense call (no prediction, no index lists: docs/API.md, "Dense calls")
+  empty mask     sparge.attention with an all-zeros block mask [B, H, ceil(N/128), ceil(N/64)]: the
+                 fixed cost of a call (no attention work)
   cuDNN          F.scaled_dot_product_attention in bf16 under sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
   FA2            the same under sdpa_kernel(SDPBackend.FLASH_ATTENTION) (FlashAttention-2)
   --sparse       libsparge on random block masks of density 0.5, 0.2, 0.1 at N >= 8K (time over own dense)
@@ -541,8 +542,7 @@ def run_shape(env: "Env", sh: Shape, args: argparse.Namespace, o: TimingOpts) ->
         for _ in range(nsets):
             sets.append(tuple(torch.randn(sh.B, sh.H, sh.N, sh.D, device=dev, dtype=torch.bfloat16,
                                           generator=gen) for _ in range(3)))
-        ones = torch.ones(sh.B, sh.H, sh.nqb, sh.nkb, dtype=torch.uint8, device=dev)
-        zeros = torch.zeros_like(ones)
+        zeros = torch.zeros(sh.B, sh.H, sh.nqb, sh.nkb, dtype=torch.uint8, device=dev)
     except Interrupted:
         raise
     except Exception as e:  # noqa: BLE001
@@ -563,11 +563,14 @@ def run_shape(env: "Env", sh: Shape, args: argparse.Namespace, o: TimingOpts) ->
         return lambda i: sparge.attention(sets[i][0], sets[i][1], sets[i][2], mask=mask, is_causal=causal,
                                           precision=prec)
 
+    def dense(i: int) -> Any:
+        return sparge.attention(sets[i][0], sets[i][1], sets[i][2], topk=1.0, is_causal=causal, precision=prec)
+
     def sdpa(backend: Any) -> Tuple[Callable[[int], Any], Callable[[], Any]]:
         return (lambda i: F.scaled_dot_product_attention(sets[i][0], sets[i][1], sets[i][2], is_causal=causal),
                 lambda: env.sdpa_kernel([backend]))
 
-    meas: List[Meas] = [Meas("sparge", "libsparge", sp(ones)), Meas("empty", "libsparge empty mask", sp(zeros),
+    meas: List[Meas] = [Meas("sparge", "libsparge", dense), Meas("empty", "libsparge empty mask", sp(zeros),
                                                                      density=0.0)]
     for key, label, be in SDPA_LIBS:
         if key == "fa2" and args.no_fa2:
@@ -1034,7 +1037,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     commit = args.commit or git_commit()
     gpu = p.name
     lib_path = env.sparge.library_path()
-    header = ("libsparge %s (%s, all-ones block mask) against torch SDPA bf16 (cuDNN, FA2); %s; bf16 HND, "
+    header = ("libsparge %s (%s, dense call: top-k 1) against torch SDPA bf16 (cuDNN, FA2); %s; bf16 HND, "
               "N = Lq = Lkv; median ms per call" % (".".join(map(str, env.sparge.library_version())), args.precision,
                                            heads_text(args.d, args.heads)))
     print("# " + header)
@@ -1060,8 +1063,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             ".".join(map(str, env.sparge.library_version())), os.path.basename(str(lib_path)),
                             commit, date),
         "Heads: %s (Hq = Hkv). Inputs bf16 random normal, HND [B, H, N, D]; calls rotate among 2-4 input sets "
-        "when one set is small against the L2. libsparge: `sparge.attention(q, k, v, mask=..., is_causal=...)` "
-        "eager, precision %s, all-ones block mask; empty mask: all zeros. cuDNN / FA2: "
+        "when one set is small against the L2. libsparge: `sparge.attention(q, k, v, topk=1.0, is_causal=...)` "
+        "eager, precision %s (the dense call); empty mask: an all-zeros block mask. cuDNN / FA2: "
         "`F.scaled_dot_product_attention` under `sdpa_kernel(CUDNN_ATTENTION / FLASH_ATTENTION)`."
         % (heads_text(args.d, args.heads), args.precision),
         "Timing: warm-up, then %d batches of back-to-back calls (about %g ms each, at most %d calls; calls over "

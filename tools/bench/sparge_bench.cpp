@@ -11,6 +11,9 @@
 //   fp16sparse fp16-mode attention on random block masks of density 0.5, 0.2,
 //              0.1 (ratio and target against fp16-mode dense)
 //   splitv     int8_fp8_split_v attention on an all-ones mask
+//   full       int8_fp8 dense attention as a call without a mask and with top-k 1
+//              (no prediction, no index lists); ratio against `dense`
+//   fp16full   the same in fp16 mode, against fp16-mode `dense` (runs `fp16`)
 //   i8f16      int8_fp16 attention on an all-ones mask
 //   i8f16sparse int8_fp16 attention on random block masks of density 0.5, 0.2,
 //              0.1 (ratio and target against int8_fp16 dense)
@@ -43,7 +46,7 @@ struct Options {
   std::vector<int> causal = {0, 1};
   std::vector<std::string> modes = {"dense",     "d0.5", "d0.2",       "d0.1",
                                     "predict",   "pred+attn", "fp16", "fp16sparse", "splitv",
-                                    "i8f16",     "i8f16sparse"};
+                                    "i8f16",     "i8f16sparse", "full", "fp16full"};
   int64_t batch = 1, heads = 32, kv_heads = 0;  // kv_heads 0: = heads
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
@@ -82,7 +85,7 @@ void usage() {
       "  --d LIST          head dims (default 128,64)\n"
       "  --causal LIST     0,1 (default both)\n"
       "  --modes LIST      dense,d0.5,d0.2,d0.1,predict,pred+attn,fp16,fp16sparse,splitv,\n"
-      "                    i8f16,i8f16sparse (default all)\n"
+      "                    i8f16,i8f16sparse,full,fp16full (default all)\n"
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
       "  --kv-heads H      K/V heads (default: --heads; GQA when fewer, a divisor of --heads)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
@@ -465,6 +468,20 @@ int main(int argc, char** argv) {
           emit(r);
         };
 
+        // Dense attention as a call without a mask and with top-k 1: the kernels enumerate the
+        // visible blocks (no prediction, no lists); ratio against `dense_ref`, the same precision's
+        // all-ones mask.
+        auto full_row = [&](sparge_plan_t plan, size_t wsb, const char* precision, double dense_ref) {
+          Row r;
+          r.mode = "full", r.precision = precision, r.density = 1;
+          const float keep = prm.topk;
+          prm.topk = 1.0f;
+          run_attn(plan, nullptr, r, wsb);
+          prm.topk = keep;
+          if (std::isfinite(r.ms) && std::isfinite(dense_ref)) r.ratio = r.ms / dense_ref;
+          emit(r);
+        };
+
         // int8_fp8 dense first: the reference of the ratio column.
         if (plan8) {
           double got = 1;
@@ -477,6 +494,7 @@ int main(int argc, char** argv) {
             dense_ms = r.ms;
             emit(r);
           }
+          if (has("full")) full_row(plan8, w8, "int8_fp8", dense_ms);
           for (double d : {0.5, 0.2, 0.1}) {
             char name[16];
             std::snprintf(name, sizeof name, "d%g", d);
@@ -555,10 +573,12 @@ int main(int argc, char** argv) {
           }
           emit(r);
         };
-        if (has("fp16") || has("fp16sparse")) dense_other(plan16, w16, e16, "fp16");
-        if (has("fp16sparse") && plan16) {
+        if (has("fp16") || has("fp16sparse") || has("fp16full")) dense_other(plan16, w16, e16, "fp16");
+        if ((has("fp16sparse") || has("fp16full")) && plan16) {
           const double dense16 = rows.back().ms;
-          for (double d : {0.5, 0.2, 0.1}) sparse_row(plan16, w16, "fp16", d, dense16);
+          if (has("fp16full")) full_row(plan16, w16, "fp16", dense16);
+          if (has("fp16sparse"))
+            for (double d : {0.5, 0.2, 0.1}) sparse_row(plan16, w16, "fp16", d, dense16);
         }
         if (has("splitv")) dense_other(plan_sv, wsv, esv, "int8_fp8_split_v");
         if (has("i8f16") || has("i8f16sparse")) dense_other(plan_if, wif, eif, "int8_fp16");

@@ -14,10 +14,12 @@ namespace attn {
 // the output and LSE with their strides, the problem's sizes, and the
 // preparation's scales (those a mainloop does not read stay null). A family
 // with operands outside tensor maps (portable) adds their pointers around it.
+// idx, cnt and order null: dense work (every visible block of every row, DenseWork).
 struct Params {
   const int32_t* idx;
   const int32_t* cnt;
   const int32_t* order;
+  int causal;  // the problem's causality (dense work counts the visible blocks)
   void* out;
   int64_t out_stride[4];
   float* lse;
@@ -40,6 +42,7 @@ inline Params make_params(const AttnArgs& a) {
   p.idx = a.idx;
   p.cnt = a.cnt;
   p.order = a.order;
+  p.causal = pb.causal ? 1 : 0;
   p.out = a.out.data;
   for (int i = 0; i < 4; ++i) p.out_stride[i] = a.out.stride[i];
   p.lse = a.lse.data;
@@ -59,34 +62,63 @@ inline Params make_params(const AttnArgs& a) {
   return p;
 }
 
+// Dense work (a call that keeps every visible block: no mask, lists or work
+// order in memory). The row of CTA i, in the order the work-order kernel gives
+// rows of equal or causally growing counts: K/V group by group (b, kv head),
+// within a group the query blocks from the most visible blocks down (causal:
+// the last first), the group's query heads side by side (they read the same
+// K/V blocks at the same time); and the row's count of visible 64-key blocks
+// (core/problem.hpp's visible_key_blocks for the GPU's 128 x 64 blocks).
+struct DenseWork {
+  static __device__ __forceinline__ int row(int i, int Hq, int group, int nQB, int causal) {
+    const int per_group = group * nQB;
+    const int g = i / per_group, j = i - g * per_group;
+    const int qr = j / group, hh = j - qr * group;
+    const int Hkv = Hq / group;
+    const int b = g / Hkv, hkv = g - b * Hkv;
+    const int qb = causal ? nQB - 1 - qr : qr;
+    return (b * Hq + hkv * group + hh) * nQB + qb;
+  }
+  static __device__ __forceinline__ int blocks(int qb, int causal, int Lq, int Lkv, int nKB) {
+    if (!causal) return nKB;
+    const int last_row = min(qb * 128 + 127, Lq - 1);
+    const int last_key = min(last_row + (Lkv - Lq), Lkv - 1);
+    return last_key < 0 ? 0 : last_key / 64 + 1;
+  }
+};
+
 // The mask row of this CTA (blockIdx.x indexes the work order): its batch,
 // query head and 128-row query block, its K/V head, and its list of kept
-// 64-key blocks. P holds order, cnt, idx, nQB, nKB, Hq and group.
+// 64-key blocks (null for dense work: blocks 0 .. n_tiles - 1). P holds order,
+// cnt, idx, causal, Lq, Lkv, nQB, nKB, Hq and group.
 struct RowWork {
   int row_id, bh, qb, b, h, hkv, bhkv, n_tiles;
   const int32_t* tiles;
 
   template <class P>
   __device__ __forceinline__ explicit RowWork(const P& p) {
-    row_id = p.order[blockIdx.x];
+    const bool dense = p.idx == nullptr;
+    row_id = dense ? DenseWork::row(int(blockIdx.x), p.Hq, p.group, p.nQB, p.causal) : p.order[blockIdx.x];
     bh = row_id / p.nQB;
     qb = row_id - bh * p.nQB;
     b = bh / p.Hq;
     h = bh - b * p.Hq;
     hkv = h / p.group;
     bhkv = b * (p.Hq / p.group) + hkv;
-    n_tiles = p.cnt[row_id];
-    tiles = p.idx + int64_t(row_id) * p.nKB;
+    n_tiles = dense ? DenseWork::blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB) : p.cnt[row_id];
+    tiles = dense ? nullptr : p.idx + int64_t(row_id) * p.nKB;
   }
   // Steps of kHalves listed blocks.
   template <int kHalves>
   __device__ __forceinline__ int steps() const {
     return (n_tiles + kHalves - 1) / kHalves;
   }
+  // Key block of list entry t (t < n_tiles).
+  __device__ __forceinline__ int listed(int t) const { return tiles != nullptr ? tiles[t] : t; }
   // Key block of half hh of step u; -1 past the end (an odd count, wide steps).
   template <int kHalves>
   __device__ __forceinline__ int block(int u, int hh) const {
-    return (u * kHalves + hh < n_tiles) ? tiles[u * kHalves + hh] : -1;
+    return (u * kHalves + hh < n_tiles) ? listed(u * kHalves + hh) : -1;
   }
 };
 

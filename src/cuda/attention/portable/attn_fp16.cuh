@@ -26,6 +26,7 @@
 
 #include <cstdint>
 
+#include "cuda/attention/common/work.cuh"
 #include "cuda/attention/portable/primitives.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
@@ -71,9 +72,10 @@ struct Params {
   int64_t o_sb, o_sh, o_sl;
   float* lse;  // nullptr: not wanted
   int64_t lse_sb, lse_sh, lse_sl;
-  const int32_t* idx;    // [B*Hq, nQB, nKB]
+  const int32_t* idx;    // [B*Hq, nQB, nKB], or null: dense work (attn::DenseWork; cnt, order null)
   const int32_t* cnt;    // [B*Hq, nQB]
   const int32_t* order;  // [B*Hq*nQB]
+  int causal;            // the problem's causality (= kCausal)
   int Hq, group, Lq, Lkv, nQB, nKB;
   int D;             // the problem's head dim (<= the kernel's; D = 96 runs the 128-wide kernel)
   float scale_log2;  // scale * log2(e), > 0
@@ -104,16 +106,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
 
-  const int work = p.order[blockIdx.x];
-  const int bh = work / p.nQB, qb = work - bh * p.nQB;
-  const int b = bh / p.Hq, h = bh - b * p.Hq, hk = h / p.group;
+  const attn::RowWork w(p);
+  const int qb = w.qb;
+  const int b = w.b, h = w.h, hk = w.hkv;
   const int q0 = qb * kBQ;
 
   const T* gQ = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
   const T* gK = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
   const T* gV = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
-  const int32_t* list = p.idx + static_cast<int64_t>(work) * p.nKB;
-  const int n = p.cnt[work];
+  const int n = w.n_tiles;
 
   // ---- Q tile (rows >= Lq are zero-filled), own commit group
 #pragma unroll
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
   }
   cp_async_commit();
 
-  // K and V rows of kept block list[t] into stage s (keys >= Lkv zero-filled:
+  // K and V rows of kept block w.listed(t) into stage s (keys >= Lkv zero-filled:
   // V must hold finite values where P is 0). Thread tid copies chunk
   // tid % kChunks of rows tid / kChunks + kRowsPerIter * i; kRowsPerIter is a
   // multiple of 8, so the swizzled destination is a fixed offset per i.
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
   const uint32_t ld_dst = smem_u32(sKV) + swz<D>(ld_r, ld_ch) * 2;
   const int64_t k_step = kRowsPerIter * p.k_sl, v_step = kRowsPerIter * p.v_sl;
   auto load_tile = [&](int t, int s) {
-    const int k0 = list[t] * kBK + ld_r;
+    const int k0 = w.listed(t) * kBK + ld_r;
     const T* srcK = gK + static_cast<int64_t>(k0) * p.k_sl + ld_ch * 8;
     const T* srcV = gV + static_cast<int64_t>(k0) * p.v_sl + ld_ch * 8;
     const uint32_t dst = ld_dst + s * (2 * kBK * D * 2);
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
     if (t + kStages - 1 < n) load_tile(t + kStages - 1, (t + kStages - 1) % kStages);
     cp_async_commit();
 
-    const int k0 = list[t] * kBK;
+    const int k0 = w.listed(t) * kBK;
     bool need_mask = k0 + kBK > p.Lkv;
     // Causal: a warp none of whose rows sees a key of the tile still
     // multiplies it (all weights 0), so that a non-finite V value reaches the

@@ -52,6 +52,7 @@ sparge_status_t portable_setup(const AttnArgs& a, LaunchBlob* blob, bool* applie
   p.idx = a.idx;
   p.cnt = a.cnt;
   p.order = a.order;
+  p.causal = pr.causal ? 1 : 0;
   p.Hq = static_cast<int>(pr.Hq);
   p.group = static_cast<int>(pr.Hq / pr.Hkv);
   p.Lq = static_cast<int>(pr.Lq);
