@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host CPU time of one attention call: Python (eager sparge.attention on torch CUDA tensors) and C
 (sparge_attention_run through ctypes with prebuilt arguments), with the GPU work made negligible
-(an empty mask) or real (an all-ones mask, or the predicted mask of the default call).
+(an empty mask) or real (an all-ones mask, the dense call without a mask and with topk=1.0, or the
+predicted mask of the default call).
 
 For each shape and mask it times batches of calls with time.perf_counter (wall) and
 time.process_time (CPU of the process), synchronizing the device only between batches, and prints
@@ -169,7 +170,8 @@ def noop_main(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
-    ap.add_argument("--masks", default="empty,dense,predicted", help="comma-separated: empty, dense, predicted")
+    ap.add_argument("--masks", default="empty,dense,predicted",
+                    help="comma-separated: empty, dense, predicted, full (no mask, topk=1.0: the dense call)")
     ap.add_argument("--precision", default="int8_fp8", help="int8_fp8 (this script's default; the library's is auto), int8_fp16, fp16, ...")
     ap.add_argument("--calls", type=int, default=200, help="calls per batch with an empty mask (others: 16)")
     ap.add_argument("--repeats", type=int, default=7, help="batches; the median is printed")
@@ -210,14 +212,16 @@ def main() -> int:
                 mask = torch.zeros(B, H, nqb, nkb, dtype=torch.uint8, device="cuda")
             elif mname == "dense":
                 mask = torch.ones(B, H, nqb, nkb, dtype=torch.uint8, device="cuda")
-            elif mname == "predicted":
+            elif mname in ("predicted", "full"):
                 mask = None
             else:
                 raise SystemExit("unknown mask %r" % mname)
             calls = args.calls if mname == "empty" else 16  # real GPU work: keep the launch queue short
 
+            topk = 1.0 if mname == "full" else 0.5
+
             def py() -> None:
-                sparge.attention(q, k, v, mask=mask, precision=args.precision)
+                sparge.attention(q, k, v, mask=mask, topk=topk, precision=args.precision)
 
             for _ in range(args.warmup):
                 py()

@@ -8,9 +8,8 @@
 //      the first group's scores into the score region, the second group's into the index-list region
 //      (free until the selection writes the lists, after step 3 has read it);
 //   3. split2_combine_kernel: per row, each group's scores normalized over the visible blocks and
-//      their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)) (float32 with float64 sums,
-//      within about 2^-20 of the float64 definition), into the score region, which the selection
-//      then ranks as KEYS_LSE scores.
+//      their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)), in float64, rounded to
+//      float32 into the score region, which the selection then ranks as KEYS_LSE scores.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -42,42 +41,25 @@ struct GroupArgs {
 
 template <int DK>
 struct GroupSmem {
-  // 16-bit elements per row: the 16-byte chunk j of row r starts at word (DK / 2 + 4) r + 4 j, so the
-  // 8 threads of a quarter warp reading chunk j of 8 consecutive rows hit 8 distinct 4-bank groups
-  static constexpr int kPitch = DK + 8;
+  static constexpr int kPitch = DK + 2;  // 16-bit elements per row: thread r reads row r, banks (r + c/2) mod 32
   static constexpr int kBytes = kGThreads * kPitch * 2 + DK * 8 + kGThreads + 64;
 };
 
-// A 16-bit value as a double, exactly. Normal values are assembled from their bits (the high word
-// of the double: sign, exponent rebiased, mantissa shifted; an integer path that spares the FP64
-// pipe the float-to-double conversion); zeros, subnormals, infinities and NaNs go through float.
 template <class T>
-__device__ __forceinline__ double elem(uint32_t x) {
-  constexpr bool kHalf = std::is_same<T, __half>::value;
-  constexpr uint32_t kMant = kHalf ? 10 : 7, kExpMax = kHalf ? 31 : 255;
-  constexpr uint32_t kRebias = kHalf ? 1023 - 15 : 1023 - 127;
-  const uint32_t e = (x >> kMant) & kExpMax;
-  if (e - 1u < kExpMax - 1u)  // 1 <= e < kExpMax: a normal number
-    return __hiloint2double(int(((x & 0x8000u) << 16) | (((x & 0x7fffu) << (20 - kMant)) + (kRebias << 20))), 0);
-  if constexpr (kHalf)
-    return double(__half2float(__ushort_as_half((unsigned short)x)));
+__device__ __forceinline__ double elem(const unsigned short* x) {
+  if constexpr (std::is_same<T, __half>::value)
+    return double(__half2float(__ushort_as_half(*x)));
   else
-    return double(__uint_as_float(x << 16));
+    return double(__uint_as_float(uint32_t(*x) << 16));
 }
 
-// Squared Euclidean distance of row r to ref (float64, column order, no contraction: the CPU's
-// sum); the row is read in 16-byte chunks (d_in is a multiple of 8).
+// Squared Euclidean distance of row r to ref (float64, column order, no contraction: the CPU's sum).
 template <class T>
 __device__ __forceinline__ double dist2(const unsigned short* row, const double* ref, int d_in) {
   double s = 0.0;
-  for (int c0 = 0; c0 < d_in; c0 += 8) {
-    const uint4 v = *reinterpret_cast<const uint4*>(row + c0);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const double t = __dsub_rn(elem<T>(i & 1 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu), ref[c0 + i]);
-      s = __dadd_rn(s, __dmul_rn(t, t));
-    }
+  for (int c = 0; c < d_in; ++c) {
+    const double t = __dsub_rn(elem<T>(row + c), ref[c]);
+    s = __dadd_rn(s, __dmul_rn(t, t));
   }
   return s;
 }
@@ -141,14 +123,15 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     for (int r = lr; r < kGThreads; r += RPI) {
       const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<VEC>(base + a.q.offset(b, h, r0 + r, cg * 8))
                                                : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(xs + r * Sm::kPitch + cg * 8) = v;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xs + r * Sm::kPitch + cg * 8);
+      dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
     }
   }
   __syncthreads();
   // the mean row (float64 column sums in row order, then / n)
   for (int c = tid; c < d_in; c += kGThreads) {
     double s = 0.0;
-    for (int r = 0; r < n; ++r) s = __dadd_rn(s, elem<T>(xs[r * Sm::kPitch + c]));
+    for (int r = 0; r < n; ++r) s = __dadd_rn(s, elem<T>(xs + r * Sm::kPitch + c));
     ref[c] = __ddiv_rn(s, double(n));
   }
   __syncthreads();
@@ -156,11 +139,11 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   const bool real = tid < n;
   // seed a: farthest from the mean; seed b: farthest from a
   const int ra = farthest(real ? dist2<T>(mine, ref, d_in) : -1.0, tid, red_d, red_r);
-  for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs[ra * Sm::kPitch + c]);
+  for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + ra * Sm::kPitch + c);
   __syncthreads();
   const double da = real ? dist2<T>(mine, ref, d_in) : -1.0;
   const int rb = farthest(da, tid, red_d, red_r);  // (its barriers also end every read of ref as row a)
-  for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs[rb * Sm::kPitch + c]);
+  for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + rb * Sm::kPitch + c);
   __syncthreads();
   // a row joins b when strictly nearer to b than to a (NaN: stays with a)
   const bool to_b = real && dist2<T>(mine, ref, d_in) < da;
@@ -173,7 +156,7 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     double sa = 0.0, sb = 0.0;
     if (c < d_in)
       for (int r = 0; r < n; ++r) {
-        const double x = elem<T>(xs[r * Sm::kPitch + c]);
+        const double x = elem<T>(xs + r * Sm::kPitch + c);
         if (lab[r])
           sb = __dadd_rn(sb, x);
         else
@@ -197,13 +180,10 @@ struct CombineArgs {
 
 constexpr int kCWarps = 4;  // rows per CTA, a warp each
 
-// One warp per (bh, qb) row: the definition's float64 combination (docs/SEMANTICS.md) in float32
-// with float64 sums. Per group g of n_g > 0 rows: m_g = the largest visible score (NaN ignored),
-// norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is infinite, as in the CPU's arithmetic),
-// u_g = s_g + (log(n_g / n) - norm_g); the block's score is m + log(1 + exp(-|u_a - u_b|)),
-// m = max_g u_g (u_g itself for one group), or NaN where some u_g is not finite. The exponentials
-// (ex2.approx) and the float32 roundings of the shift and of u_g keep the result within about
-// 2^-20 (1 + |score|) of the float64 definition, as the block scores it combines.
+// One warp per (bh, qb) row. Per group g of n_g > 0 rows: m_g = the largest visible score (NaN
+// ignored), norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is infinite: the CPU's arithmetic),
+// u_g = s_g + (log(n_g / n) - norm_g); the block's score is float32(m + log sum_g exp(u_g - m)),
+// m = max_g u_g, or NaN where some u_g is not finite.
 __global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const CombineArgs a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   const Problem& p = a.prob;
@@ -217,26 +197,36 @@ __global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const Comb
   const float* s1 = a.scores2 + row * p.nKB;
   const float n0 = a.count[2 * row], n1 = a.count[2 * row + 1];
   const double n = double(n0) + double(n1);
-  float shift[2] = {0.f, 0.f};  // log(n_g / n) - norm_g
+  double shift[2] = {0.0, 0.0};  // log(n_g / n) - norm_g
   const bool has[2] = {n0 > 0.f, n1 > 0.f};
 #pragma unroll
   for (int g = 0; g < 2; ++g) {
     if (!has[g]) continue;  // warp-uniform
     const float* s = g ? s1 : s0;
-    float m = -INFINITY;
-    for (int64_t kb = lane; kb < vis; kb += 32) m = fmaxf(m, s[kb]);
+    double m = -INFINITY;
+    for (int64_t kb = lane; kb < vis; kb += 32) m = fmax(m, double(s[kb]));
     m = warp_max(m);
     double sum = 0.0;
-    for (int64_t kb = lane; kb < vis; kb += 32) sum += double(__expf(s[kb] - m));
+    for (int64_t kb = lane; kb < vis; kb += 32) sum += exp(double(s[kb]) - m);
     sum = warp_sum(sum);
-    shift[g] = float(log(double(g ? n1 : n0) / n) - (double(m) + log(sum)));
+    const double norm = m + log(sum);
+    shift[g] = log(double(g ? n1 : n0) / n) - norm;
   }
   for (int64_t kb = lane; kb < vis; kb += 32) {
-    const float u0 = has[0] ? s0[kb] + shift[0] : -INFINITY;
-    const float u1 = has[1] ? s1[kb] + shift[1] : -INFINITY;
-    const bool bad = (has[0] && !isfinite(u0)) || (has[1] && !isfinite(u1));
-    const float out = !has[0] ? u1 : !has[1] ? u0 : fmaxf(u0, u1) + log1pf(__expf(-fabsf(u0 - u1)));
-    s0[kb] = bad ? NAN : out;
+    double u[2] = {0.0, 0.0}, m = -INFINITY;
+    bool bad = false;
+#pragma unroll
+    for (int g = 0; g < 2; ++g)
+      if (has[g]) {
+        u[g] = double((g ? s1 : s0)[kb]) + shift[g];
+        bad |= !isfinite(u[g]);
+        m = fmax(m, u[g]);
+      }
+    double sum = 0.0;
+#pragma unroll
+    for (int g = 0; g < 2; ++g)
+      if (has[g]) sum += exp(u[g] - m);
+    s0[kb] = bad ? NAN : float(m + log(sum));
   }
 }
 
@@ -248,8 +238,6 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
   if (p.BQ != kGpuBlockQ)
     return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE_SPLIT2 on CUDA needs block_q = %d, got %lld",
                 kGpuBlockQ, (long long)p.BQ);
-  if (p.D % 8 != 0)  // (the CUDA plans' head dims are multiples of 8)
-    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE_SPLIT2 on CUDA needs a head dim that is a multiple of 8");
   if (L.split_q == 0 || L.split_n == 0)
     return fail(SPARGE_ERR_INTERNAL, "CUDA KEYS_LSE_SPLIT2: workspace layout lacks its regions");
   const int64_t n = p.B * p.Hq * p.nQB;

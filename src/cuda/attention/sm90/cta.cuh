@@ -118,7 +118,7 @@ __device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_step
                                            uint64_t* qbar, LoadQ load_q, LoadStage load_stage) {
   int first[kHalves];
 #pragma unroll
-  for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < nKB) ? w.tiles[hh] : -1;
+  for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < nKB) ? w.listed(hh) : -1;
   for (int s = 0; s < kStages; ++s) {
     mbar_init(&full[s], 1);
     mbar_init(&empty[s], 256);
