@@ -216,15 +216,6 @@ def spas_sage_attn_meansim_cuda(q: Any, k: Any, v: Any, attn_mask: Any = None, d
                       precision="int8_fp16")
 
 
-def _full_mask(q: Any, k: Any, tensor_layout: str) -> Any:
-    hd = 1 if tensor_layout == "HND" else 2
-    ld = 2 if tensor_layout == "HND" else 1
-    shape = (q.shape[0], q.shape[hd], -(-q.shape[ld] // 128), -(-k.shape[ld] // 64))
-    if _is_torch(q):
-        return _torch().ones(shape, dtype=_torch().uint8, device=q.device)
-    return np.ones(shape, dtype=np.uint8)
-
-
 def block_sparse_sage2_attn_cuda(q: Any, k: Any, v: Any, mask_id: Any = None, dropout_p: float = 0.0,
                                  scale: Optional[float] = None, smooth_k: bool = True, pvthreshd: Any = 50,
                                  attention_sink: bool = False, tensor_layout: str = "HND",
@@ -243,8 +234,8 @@ def block_sparse_sage2_attn_cuda(q: Any, k: Any, v: Any, mask_id: Any = None, dr
     if tensor_layout not in ("HND", "NHD"):
         raise C.InvalidArgumentError("tensor_layout must be 'HND' or 'NHD', got %r" % (tensor_layout,))
     q, k, v = _prepare(q, k, v)
-    mask = mask_id if mask_id is not None else _full_mask(q, k, tensor_layout)
-    res = attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, layout=tensor_layout,
+    # no mask: every block, as the dense call (top-k 1: no prediction, no index lists on CUDA)
+    res = attention(q, k, v, mask=mask_id, topk=1.0, is_causal=is_causal, scale=scale, layout=tensor_layout,
                     precision="int8_fp8", return_sparsity=return_sparsity,
                     return_lse=return_lse and not return_sparsity)
     return _finish(res, output_dtype, return_sparsity, return_lse)
