@@ -22,8 +22,6 @@
 #pragma once
 #include <cuda.h>
 
-#include <type_traits>
-
 #include "cuda/attention/sm90/cta.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
 #include "cuda/common/internal.cuh"
@@ -117,22 +115,8 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   c.after_last_pv(ap0, ap1);
 }
 
-// A mainloop's CTAs per SM (kCtasPerSm, default 1) and its consumers' register budget.
-template <class ML, class = void>
-struct CtaShape {
-  static constexpr int kCtas = 1;
-  static constexpr uint32_t kRegs = kConsumerRegs;
-};
 template <class ML>
-struct CtaShape<ML, std::void_t<decltype(ML::kCtasPerSm)>> {
-  static constexpr int kCtas = ML::kCtasPerSm;
-  // 2 CTAs: 80 registers per thread at launch; the producer's 24 leave the consumers 104
-  static constexpr uint32_t kRegs = kCtas == 1 ? kConsumerRegs : 104;
-};
-
-template <class ML>
-__global__ void __launch_bounds__(kThreads, CtaShape<ML>::kCtas)
-    attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   using L = typename ML::Layout;
@@ -169,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, CtaShape<ML>::kCtas)
     return;
   }
 
-  regs_alloc<CtaShape<ML>::kRegs>();
+  regs_alloc<kConsumerRegs>();
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
   if (n_steps > 0) consume<ML>(c, w, ring, n_steps);

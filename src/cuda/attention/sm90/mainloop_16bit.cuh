@@ -40,13 +40,7 @@ template <class T, int D, bool kCausal, bool kI8>
 struct Mainloop16 {
   static constexpr int Dk = int(gpu_kernel_head_dim(D));
   static_assert(Dk == 64 || Dk == 128 || Dk == 256, "16-bit P.V on sm_90a: kernel head dim 64, 128 or 256");
-#ifdef SPARGE_FP16_D64_TWO
-  static constexpr bool kTwo = !kI8 && Dk == 64;
-#else
-  static constexpr bool kTwo = false;
-#endif
-  static constexpr int kCtasPerSm = kTwo ? 2 : 1;
-  static constexpr int kHalves = kTwo ? 1 : blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D);
+  static constexpr int kHalves = blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D);
   static constexpr int kKeys = kHalves * 64;
   static constexpr int kHeadDim = D;
   static constexpr bool kI8C = kI8, kFp8PV = false, kTmaStore = true;
@@ -70,7 +64,7 @@ struct Mainloop16 {
   // in its own region (per consumer warpgroup Dk/64 blocks of 64 rows x 128
   // bytes); FP16 stages it in the warpgroup's rows of the Q tile.
   struct Layout {
-    static constexpr int kStages = kTwo ? 4 : (Dk == 64) ? 4 : (Dk == 128) ? 3 : 2;
+    static constexpr int kStages = (Dk == 64) ? 4 : (Dk == 128) ? 3 : 2;
     static constexpr int kCols = Dk / 64;           // 64-element column blocks
     static constexpr int kW8 = Dk < 128 ? Dk : 128;  // int8 column block width (bytes)
     static constexpr int kCols8 = Dk / kW8;
