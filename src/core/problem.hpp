@@ -138,6 +138,30 @@ SPARGE_HD int64_t visible_key_blocks(const Problem& p, int64_t qb) {
   return last_key / p.BK + 1;
 }
 
+// Dense work (docs/API.md, "Dense attention"): the CUDA kernels of a dense call enumerate their
+// rows and blocks themselves, with the GPU's 128 x 64 blocks. dense_row: the mask row
+// ((b * Hq + h) * nQB + qb) of CTA i, in the order the work-order kernel gives rows of equal or
+// causally growing counts: K/V group by group (b, kv head), within a group the query blocks from
+// the most visible blocks down (causal: the last first), the group's query heads side by side (they
+// read the same K/V blocks at the same time). i < B * Hq * nQB < 2^31.
+SPARGE_HD int32_t dense_row(int32_t i, int32_t Hq, int32_t group, int32_t nQB, int causal) {
+  const int32_t per_group = group * nQB;
+  const int32_t g = i / per_group, j = i - g * per_group;
+  const int32_t qr = j / group, hh = j - qr * group;
+  const int32_t Hkv = Hq / group;
+  const int32_t b = g / Hkv, hkv = g - b * Hkv;
+  const int32_t qb = causal ? nQB - 1 - qr : qr;
+  return (b * Hq + hkv * group + hh) * nQB + qb;
+}
+// visible_key_blocks for 128-row query blocks and 64-key blocks, in 32-bit arithmetic
+// (Lq, Lkv < 2^30).
+SPARGE_HD int32_t dense_blocks(int32_t qb, int causal, int32_t Lq, int32_t Lkv, int32_t nKB) {
+  if (!causal) return nKB;
+  const int32_t row_end = qb * 128 + 127, last_row = row_end < Lq - 1 ? row_end : Lq - 1;
+  const int32_t key = last_row + (Lkv - Lq), last_key = key < Lkv - 1 ? key : Lkv - 1;
+  return last_key < 0 ? 0 : last_key / 64 + 1;
+}
+
 // Blocks kept before any ranking, counted in the row's budget (docs/SEMANTICS.md, "Mask
 // prediction", step 4): the attention sink (key block 0), the local window around the diagonal
 // and, with causality, the first diagonal block, which every row of the query block that sees any

@@ -335,7 +335,7 @@ sparge_status_t enqueue(const Plan& plan, const Tensor4& q, const Tensor4& k, co
   const WorkspaceLayout& L = plan.ws;
   // The pooled means and self-similarities are needed only when the mask is
   // predicted here. A dense call (every visible block kept) predicts nothing and
-  // builds no lists: the kernels enumerate the blocks (attn::DenseWork).
+  // builds no lists: the kernels enumerate the blocks (attn::RowWork).
   const bool predict_here = mask == nullptr && !dense;
   // With the caller's mask, the 8-bit preparation's launches also build its index lists.
   bool lists_done = false;
@@ -458,7 +458,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   a.q = q;
   a.k = k;
   a.v = v;
-  if (!dense) {  // dense work: null lists (attn::DenseWork)
+  if (!dense) {  // dense work: null lists (attn::RowWork)
     a.idx = ws_ptr<const int32_t>(workspace, L.idx);
     a.cnt = ws_ptr<const int32_t>(workspace, L.cnt);
     a.order = ws_ptr<const int32_t>(workspace, L.order);

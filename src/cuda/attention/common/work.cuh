@@ -14,7 +14,7 @@ namespace attn {
 // the output and LSE with their strides, the problem's sizes, and the
 // preparation's scales (those a mainloop does not read stay null). A family
 // with operands outside tensor maps (portable) adds their pointers around it.
-// idx, cnt and order null: dense work (every visible block of every row, DenseWork).
+// idx, cnt and order null: dense work (every visible block of every row: RowWork).
 struct Params {
   const int32_t* idx;
   const int32_t* cnt;
@@ -62,34 +62,10 @@ inline Params make_params(const AttnArgs& a) {
   return p;
 }
 
-// Dense work (a call that keeps every visible block: no mask, lists or work
-// order in memory). The row of CTA i, in the order the work-order kernel gives
-// rows of equal or causally growing counts: K/V group by group (b, kv head),
-// within a group the query blocks from the most visible blocks down (causal:
-// the last first), the group's query heads side by side (they read the same
-// K/V blocks at the same time); and the row's count of visible 64-key blocks
-// (core/problem.hpp's visible_key_blocks for the GPU's 128 x 64 blocks).
-struct DenseWork {
-  static __device__ __forceinline__ int row(int i, int Hq, int group, int nQB, int causal) {
-    const int per_group = group * nQB;
-    const int g = i / per_group, j = i - g * per_group;
-    const int qr = j / group, hh = j - qr * group;
-    const int Hkv = Hq / group;
-    const int b = g / Hkv, hkv = g - b * Hkv;
-    const int qb = causal ? nQB - 1 - qr : qr;
-    return (b * Hq + hkv * group + hh) * nQB + qb;
-  }
-  static __device__ __forceinline__ int blocks(int qb, int causal, int Lq, int Lkv, int nKB) {
-    if (!causal) return nKB;
-    const int last_row = min(qb * 128 + 127, Lq - 1);
-    const int last_key = min(last_row + (Lkv - Lq), Lkv - 1);
-    return last_key < 0 ? 0 : last_key / 64 + 1;
-  }
-};
-
 // The mask row of this CTA (blockIdx.x indexes the work order): its batch,
 // query head and 128-row query block, its K/V head, and its list of kept
-// 64-key blocks (null for dense work: blocks 0 .. n_tiles - 1). P holds order,
+// 64-key blocks (null for dense work, core/problem.hpp's dense_row and dense_blocks:
+// blocks 0 .. n_tiles - 1). P holds order,
 // cnt, idx, causal, Lq, Lkv, nQB, nKB, Hq and group.
 struct RowWork {
   int row_id, bh, qb, b, h, hkv, bhkv, n_tiles;
@@ -98,14 +74,14 @@ struct RowWork {
   template <class P>
   __device__ __forceinline__ explicit RowWork(const P& p) {
     const bool dense = p.idx == nullptr;
-    row_id = dense ? DenseWork::row(int(blockIdx.x), p.Hq, p.group, p.nQB, p.causal) : p.order[blockIdx.x];
+    row_id = dense ? dense_row(int(blockIdx.x), p.Hq, p.group, p.nQB, p.causal) : p.order[blockIdx.x];
     bh = row_id / p.nQB;
     qb = row_id - bh * p.nQB;
     b = bh / p.Hq;
     h = bh - b * p.Hq;
     hkv = h / p.group;
     bhkv = b * (p.Hq / p.group) + hkv;
-    n_tiles = dense ? DenseWork::blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB) : p.cnt[row_id];
+    n_tiles = dense ? dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB) : p.cnt[row_id];
     tiles = dense ? nullptr : p.idx + int64_t(row_id) * p.nKB;
   }
   // Steps of kHalves listed blocks.

@@ -72,7 +72,7 @@ struct Params {
   int64_t o_sb, o_sh, o_sl;
   float* lse;  // nullptr: not wanted
   int64_t lse_sb, lse_sh, lse_sl;
-  const int32_t* idx;    // [B*Hq, nQB, nKB], or null: dense work (attn::DenseWork; cnt, order null)
+  const int32_t* idx;    // [B*Hq, nQB, nKB], or null: dense work (attn::RowWork; cnt, order null)
   const int32_t* cnt;    // [B*Hq, nQB]
   const int32_t* order;  // [B*Hq*nQB]
   int causal;            // the problem's causality (= kCausal)
