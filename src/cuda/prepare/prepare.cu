@@ -476,7 +476,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     ca.epoch = next_epoch();
     A.n_col = uint32_t(bhk * nchunk);
   }
-  {  // Q pass
+  if (!no_q_pass) {  // Q pass
     QArgs qa{};
     qa.q = q;
     qa.d_in = int(p.D);
@@ -489,9 +489,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
     qa.q_i8 = quant ? ws_ptr<int8_t>(base, L.q_i8) : nullptr;
     qa.q_scale = quant ? ws_ptr<float>(base, L.q_scale) : nullptr;
     qa.q_mu = quant ? ws_ptr<float>(base, L.q_mu) : nullptr;
-    if (no_q_pass) {
-      // nothing: A.n_q = B.n_q = 0
-    } else if (q_late) {
+    if (q_late) {
       B.q = qa;
       B.n_q = uint32_t(bhq * p.nQB);
     } else {
