@@ -19,7 +19,7 @@
 // an error against it. The factor is folded into the exponentials, f = scale * 2^-s * log2(e):
 // first ln(sum 2^(acc * f)) (ex2.approx, relative error ~2^-22), kept where every row sum of the
 // warp is in [2^-100, 2^100]; otherwise the row's max m over its raw accumulators (scale > 0),
-// 2^(acc * f - m * f) and m * scale * 2^-s + ln(sum) (ks::tile_row_score).
+// 2^(acc * f - m * f) and m * scale * 2^-s + ln(sum) (ks::tile_row_scores).
 //
 // Non-finite values (docs/SEMANTICS.md, "Non-finite values"): a NaN key score (a NaN in k or in
 // the pooled row, or 0 * inf) makes the block score NaN, and a +Inf one makes it NaN too
@@ -124,11 +124,11 @@ struct WarpRows {
         }
     }
 #pragma unroll
-    for (int mt = M0; mt < MT; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        ks::tile_row_score<MASK>([&](int n, int i) { return acc[mt][n][i]; }, r, tq, last[mt][r] - j0,
-                                 fac[mt][r], f2[mt][r], out[mt][r] + tile);
+    for (int mt = M0; mt < MT; ++mt) {
+      const int32_t lim[2] = {last[mt][0] - j0, last[mt][1] - j0};
+      float* const o[2] = {out[mt][0] + tile, out[mt][1] + tile};
+      ks::tile_row_scores<MASK, false>([&](int n, int i) { return acc[mt][n][i]; }, tq, lim, fac[mt], f2[mt], o);
+    }
   }
 };
 

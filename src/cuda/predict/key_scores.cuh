@@ -105,6 +105,14 @@ struct CtaWork {
   }
 };
 
+// log2(x) by lg2.approx.ftz (MUFU.LG2 alone; __log2f also rescales subnormal inputs, which the
+// block scores never pass: their sums are at least 2^-100, or at least 1 after the max shift).
+__device__ __forceinline__ float lg2_ftz(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 2^e as a float, e in [-126, 127].
 __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }
 
@@ -234,63 +242,121 @@ struct TileLoader {
   }
 };
 
-// The block score of one row of a 64-key score tile in the m16n8 accumulator layout: acc(n, 2r + e)
-// is this thread's raw dot product of row gq + 8r with key 8n + 2tq + e (n < 8), the quad (4 lanes,
-// tq = lane & 3) holding the row. lim: the row sees keys 0..lim of the tile (< 0: none, nothing is
-// written). fac = scale * 2^-s, f2 = fac * log2(e). MASK: some key of the tile may be past lim.
-// First without a maximum: sum = sum_j 2^(acc_j f2) (ex2.approx), block score ln(sum), taken where
-// the sum of every row of the warp that sees a key lies in [2^-100, 2^100] (block scores within
-// about +-69); the rounding of acc_j f2 is then at most 2^-24 |acc_j f2|, an error that scales with
-// the score itself, and the terms that ex2.approx.ftz flushes (below 2^-126) weigh less than 2^-20
-// of the sum. Otherwise (a larger score, NaN or infinite scores, a block of -inf) the warp takes
-// the row again with its maximum m over the raw accumulators (scale > 0: the order of the scores; a
-// NaN is ignored there and reaches the sum): 2^(acc f2 - m f2) and m fac + ln(sum).
-template <bool MASK, class Acc>
-__device__ __forceinline__ void tile_row_score(const Acc& acc, int r, int tq, int32_t lim, float fac, float f2,
-                                               float* out) {
+// The block scores of NR of the thread's rows (r0 .. r0 + NR - 1 of its two, gq + 8r) of a 64-key
+// score tile in the m16n8 accumulator layout: acc(n, 2r + e) is this thread's raw dot product of row
+// gq + 8r with key 8n + 2tq + e (n < 8), the quad (4 lanes, tq = lane & 3) holding the row. lim[r]:
+// row r sees keys 0..lim[r] of the tile (< 0: none, nothing is written). fac = scale * 2^-s,
+// f2 = fac * log2(e). MASK: some row may see part of the tile only. The NR rows go through each step
+// together (independent dependency chains; NR = 2 needs 16 more live registers). First without a
+// maximum: sum = sum_j 2^(acc_j f2) (ex2.approx), block score ln(sum), taken where the sum of every
+// row of the warp that sees a key lies in [2^-100, 2^100] (block scores within about +-69); the
+// rounding of acc_j f2 is then at most 2^-24 |acc_j f2|, an error that scales with the score itself,
+// and the terms that ex2.approx.ftz flushes (below 2^-126) weigh less than 2^-20 of the sum.
+// Otherwise (a larger score, NaN or infinite scores, a block of -inf) the warp takes the rows again
+// with their maxima m over the raw accumulators (scale > 0: the order of the scores; a NaN is ignored
+// there and reaches the sum): 2^(acc f2 - m f2) and m fac + ln(sum). A row that sees no key of the
+// tile is neither masked nor written: its sums only feed nothing.
+template <bool MASK, int NR, class Acc>
+__device__ __forceinline__ void tile_rows_score(const Acc& acc, int r0, int tq, const int32_t (&lim)[2],
+                                                const float (&fac)[2], const float (&f2)[2], float* const (&out)[2]) {
   constexpr float kLn2 = 0.6931471805599453f;
-  float v[16];  // the row's 16 scores of this thread, keys past lim at -inf (weight 0)
+  float v[NR][16];  // row r0 + r's 16 scores of this thread, keys past lim at -inf (weight 0)
 #pragma unroll
-  for (int n = 0; n < 8; ++n)
+  for (int r = 0; r < NR; ++r)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float x = acc(n, 2 * r + e);
-      v[2 * n + e] = MASK && 8 * n + 2 * tq + e > lim ? -INFINITY : x;
-    }
-  // the row's sum of 2^(v f2 - mb) over the quad, as a tree (4 dependent steps instead of 16)
-  auto row_sum = [&](float mb) {
-    float st[8];
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = acc(n, 2 * (r0 + r) + e);
+        v[r][2 * n + e] = MASK && 8 * n + 2 * tq + e > lim[r0 + r] ? -INFINITY : x;
+      }
+  // each row's sum of 2^(v f2 - mb) over the quad, as a tree (4 dependent steps instead of 16)
+  auto row_sums = [&](const float (&mb)[NR], float (&sum)[NR]) {
+    float st[NR][8];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      st[i] = attn::fast_exp2(fmaf(v[i], f2, -mb)) + attn::fast_exp2(fmaf(v[i + 8], f2, -mb));
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        st[r][i] = attn::fast_exp2(fmaf(v[r][i], f2[r0 + r], -mb[r])) +
+                   attn::fast_exp2(fmaf(v[r][i + 8], f2[r0 + r], -mb[r]));
 #pragma unroll
     for (int w = 4; w > 0; w >>= 1)
 #pragma unroll
-      for (int i = 0; i < w; ++i) st[i] += st[i + w];
-    float sum = st[0];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    return sum;
+      for (int i = 0; i < w; ++i)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) st[r][i] += st[r][i + w];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) sum[r] = st[r][0];
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], o);
   };
-  float sum = row_sum(0.f);
-  const bool in_range = lim < 0 || (sum >= 0x1p-100f && sum <= 0x1p100f);  // false for NaN
+  float sum[NR], mb[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) mb[r] = 0.f;
+  row_sums(mb, sum);
+  bool in_range = true;
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+    in_range = in_range && (lim[r0 + r] < 0 || (sum[r] >= 0x1p-100f && sum[r] <= 0x1p100f));  // false for NaN
   if (__all_sync(0xffffffffu, in_range)) {
-    if (tq == 0 && lim >= 0) *out = __log2f(sum) * kLn2;
+    if (tq == 0) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        if (lim[r0 + r] >= 0) *out[r0 + r] = lg2_ftz(sum[r]) * kLn2;
+    }
     return;
   }
-  float mt[8];
+  float m[NR];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) mt[i] = fmaxf(v[i], v[i + 8]);
+  for (int r = 0; r < NR; ++r) {
+    float mt[8];
 #pragma unroll
-  for (int w = 4; w > 0; w >>= 1)
+    for (int i = 0; i < 8; ++i) mt[i] = fmaxf(v[r][i], v[r][i + 8]);
 #pragma unroll
-    for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
-  float m = mt[0];
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-  // m == -inf: every visible term is -inf (weight 0) or NaN (stays NaN); no inf - inf
-  sum = row_sum(m == -INFINITY ? 0.f : m * f2);
-  if (tq == 0 && lim >= 0) *out = fmaf(m, fac, __log2f(sum) * kLn2);
+    for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+      for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
+    m[r] = mt[0];
+    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
+    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+    // m == -inf: every visible term is -inf (weight 0) or NaN (stays NaN); no inf - inf
+    mb[r] = m[r] == -INFINITY ? 0.f : m[r] * f2[r0 + r];
+  }
+  row_sums(mb, sum);
+  if (tq == 0) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      if (lim[r0 + r] >= 0) *out[r0 + r] = fmaf(m[r], fac[r0 + r], lg2_ftz(sum[r]) * kLn2);
+  }
+}
+
+// Both rows of the thread (PAIR: together; else one after the other). The tile is taken without
+// masks unless a row of the warp sees part of it only (0 <= lim < 63; a row that sees all of it or
+// none needs no mask; checked where PAIR), or MASK is false (the caller knows every row sees all of
+// it).
+template <bool MASK, bool PAIR, class Acc>
+__device__ __forceinline__ void tile_row_scores(const Acc& acc, int tq, const int32_t (&lim)[2],
+                                                const float (&fac)[2], const float (&f2)[2], float* const (&out)[2]) {
+  auto run = [&](auto maskc) {
+    constexpr bool M = decltype(maskc)::value;
+    if constexpr (PAIR) {
+      tile_rows_score<M, 2>(acc, 0, tq, lim, fac, f2, out);
+    } else {
+      tile_rows_score<M, 1>(acc, 0, tq, lim, fac, f2, out);
+      tile_rows_score<M, 1>(acc, 1, tq, lim, fac, f2, out);
+    }
+  };
+  if constexpr (MASK && PAIR) {  // (the unpaired kernels keep the registers the vote would take)
+    const bool part = (lim[0] >= 0 && lim[0] < kKeys - 1) || (lim[1] >= 0 && lim[1] < kKeys - 1);
+    if (__any_sync(0xffffffffu, part))
+      run(std::true_type{});
+    else
+      run(std::false_type{});
+  } else {
+    run(std::integral_constant<bool, MASK>{});
+  }
 }
 
 // The wgmma kernel (sm_90a, Dk 64 and 128; built with the sm90 family): *ran = false when the

@@ -10,7 +10,7 @@
 // stages in the 128-byte-swizzle layout of 64-column blocks.
 // Per key tile i a warpgroup issues the m64n64k16 wgmmas of tile i + 1 into its second accumulator
 // set, waits for those of tile i and reduces tile i's accumulators (64 x 64 scores, per warp the
-// m16n8 layout of ks::tile_row_score): one tile of MMAs always in flight behind the exponentials.
+// m16n8 layout of ks::tile_row_scores): one tile of MMAs always in flight behind the exponentials.
 // The ring: the barrier of step i makes tile i + 1 visible to every warpgroup and frees the stage
 // of tile i - 1 (its wgmmas completed in step i - 1), which then receives tile i + kStages - 1.
 // Causal: the CTA's tiles end at the extent of its last row; rows mask the keys past their own.
@@ -45,6 +45,8 @@ struct Ks90 {
   // kStages - 2 tiles loading during a step; 2 CTAs per SM of two warpgroups, 4 of one (3 DEEP)
   static constexpr int kStages = (WG == 2 || DK == 64 || DEEP) ? 4 : 3;
   static constexpr int kMinBlocks = WG == 2 ? 2 : DEEP ? 3 : 4;
+  // a thread's two rows reduced together where the registers allow it (no spills: DEEP, Dk = 64)
+  static constexpr bool kPair = DEEP || DK == 64;
   // 1024-byte aligned stages (the swizzle pattern repeats every 8 rows of 128 bytes)
   static constexpr int kSmem = 1024 + kStages * kStageBytes;
 };
@@ -67,12 +69,11 @@ struct Rows90 {
   float* out[2];     // score row (CtaWork::Row::out)
 };
 
-template <bool MASK>
+template <bool MASK, bool PAIR>
 __device__ __forceinline__ void reduce_tile(const float (&d)[32], const Rows90& rw, int tq, int32_t j0, int64_t tile) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-    ks::tile_row_score<MASK>([&](int n, int i) { return d[4 * n + i]; }, r, tq, rw.last[r] - j0, rw.fac[r],
-                             rw.f2[r], rw.out[r] + tile);
+  const int32_t lim[2] = {rw.last[0] - j0, rw.last[1] - j0};
+  float* const o[2] = {rw.out[0] + tile, rw.out[1] + tile};
+  ks::tile_row_scores<MASK, PAIR>([&](int n, int i) { return d[4 * n + i]; }, tq, lim, rw.fac, rw.f2, o);
 }
 
 template <int DK, class T, int WG, bool VEC, bool DEEP>
@@ -148,9 +149,9 @@ __global__ void __launch_bounds__(Ks90<DK, WG, DEEP>::kThreads, Ks90<DK, WG, DEE
     const int64_t tile = t_begin + i;
     const int32_t j0 = int32_t(tile * kKeys);
     if (j0 + kKeys - 1 <= kmin)
-      reduce_tile<false>(cur, rw, tq, j0, tile);
+      reduce_tile<false, Tr::kPair>(cur, rw, tq, j0, tile);
     else
-      reduce_tile<true>(cur, rw, tq, j0, tile);
+      reduce_tile<true, Tr::kPair>(cur, rw, tq, j0, tile);
   };
   auto step = [&](int i, float (&cur)[32], float (&nxt)[32]) {
     ring(i);
@@ -199,14 +200,16 @@ static int64_t active_ctas(const Args& a, int rows_per_cta, int tiles) {
 }
 
 // Key tiles per CTA: the most (up to kTiles, at least 4) that still fill the GPU's CTA slots in
-// whole waves (active CTAs / slots at >= 90 % of the next whole number, or >= 8 waves), so that
-// short or causal problems, whose CTAs would otherwise leave SMs idle in the last wave, run on
-// more, shorter CTAs. A CTA with no visible tile exits at once and is not counted.
+// whole waves (active CTAs / slots at >= 90 % of the next whole number, or >= 2 waves), so that
+// short or causal problems, whose CTAs would otherwise leave SMs idle in their only wave, run on
+// more, shorter CTAs. From two waves on, longer CTAs (fewer prologues) beat a fuller last wave
+// (32K causal, 2.4-3.2 waves of 32 tiles: -2 to -3 % against 16; docs/PERF-NOTES.md v49). A CTA
+// with no visible tile exits at once and is not counted.
 static int choose_tiles(const Args& a, int rows_per_cta, int slots) {
   int tiles = kTiles;
   for (; tiles > 4; tiles /= 2) {
     const double waves = double(active_ctas(a, rows_per_cta, tiles)) / double(std::max(slots, 1));
-    if (waves >= 8.0 || waves >= 0.9 * std::ceil(waves)) break;
+    if (waves >= 2.0 || waves >= 0.9 * std::ceil(waves)) break;
   }
   return tiles;
 }
