@@ -221,9 +221,9 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, int sms, cudaStream_t s
   cudaError_t err = cudaSuccess;
   // One warpgroup per CTA (64 rows, 4 CTAs per SM, or 3 DEEP) where it measured faster: Dk = 64,
   // causal (a CTA's tiles end at its own rows' extent, so fewer tiles past a row's extent are
-  // multiplied), and problems of at most 64 rows per kv head (a second warpgroup would multiply
-  // padding rows); two (128 rows: K read from L2 half as often) for non-causal Dk = 128
-  // (docs/PERF-NOTES.md v38, v42).
+  // multiplied), Dk = 128 problems that fill two waves of DEEP CTAs, and problems of at most 64
+  // rows per kv head (a second warpgroup would multiply padding rows); two (128 rows: K read from
+  // L2 half as often) for the other non-causal Dk = 128 problems (docs/PERF-NOTES.md v38, v42, v49).
   dispatch_dim_type(p.Dk, p.dtype, [&](auto dc, auto tt) {
     constexpr int DK = decltype(dc)::value;
     using T = typename decltype(tt)::type;
@@ -251,16 +251,15 @@ sparge_status_t launch_key_scores_sm90(Args a, bool vec, int sms, cudaStream_t s
       using I1 = std::integral_constant<int, 1>;
       using I2 = std::integral_constant<int, 2>;
       if constexpr (DK == 128) {
-        if (p.causal && a.rows > 64) {
+        using Deep = Ks90<DK, 1, true>;
+        if (a.rows > 64 && active_ctas(a, Deep::kRowsCta, kTiles) >= 2 * int64_t(sms) * Deep::kMinBlocks) {
           // DEEP where the problem fills at least two whole waves of its 3 CTAs per SM with
-          // kTiles-tile CTAs (32K: 1280 CTAs on 396 slots, 165 -> 154 us); shorter problems keep
-          // 4 CTAs per SM, whose extra slots they need (8K: 28 us, 39 DEEP)
-          using Deep = Ks90<DK, 1, true>;
-          if (active_ctas(a, Deep::kRowsCta, kTiles) >= 2 * int64_t(sms) * Deep::kMinBlocks)
-            run(I1{}, std::true_type{});
-          else
-            run(I1{}, std::false_type{});
-        } else if (a.rows <= 64) {
+          // kTiles-tile CTAs (32K causal: 1280 CTAs on 396 slots, 165 -> 154 us; non-causal
+          // KEYS_LSE 212 -> 207 us and KEYS_LSE_SPLIT2 -8 %, though each K tile is read by twice
+          // as many CTAs as with two warpgroups: docs/PERF-NOTES.md v49); shorter problems keep
+          // 4 CTAs per SM, whose extra slots they need (8K causal: 28 us, 39 DEEP)
+          run(I1{}, std::true_type{});
+        } else if (p.causal || a.rows <= 64) {
           run(I1{}, std::false_type{});
         } else {
           run(I2{}, std::false_type{});
