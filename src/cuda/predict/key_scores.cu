@@ -124,11 +124,9 @@ struct WarpRows {
         }
     }
 #pragma unroll
-    for (int mt = M0; mt < MT; ++mt) {
-      const int32_t lim[2] = {last[mt][0] - j0, last[mt][1] - j0};
-      float* const o[2] = {out[mt][0] + tile, out[mt][1] + tile};
-      ks::tile_row_scores<MASK, false>([&](int n, int i) { return acc[mt][n][i]; }, tq, lim, fac[mt], f2[mt], o);
-    }
+    for (int mt = M0; mt < MT; ++mt)
+      ks::tile_row_scores<MASK, false>([&](int n, int i) { return acc[mt][n][i]; }, tq, last[mt], j0, fac[mt],
+                                       f2[mt], out[mt], tile);
   }
 };
 

@@ -105,14 +105,6 @@ struct CtaWork {
   }
 };
 
-// log2(x) by lg2.approx.ftz (MUFU.LG2 alone; __log2f also rescales subnormal inputs, which the
-// block scores never pass: their sums are at least 2^-100, or at least 1 after the max shift).
-__device__ __forceinline__ float lg2_ftz(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // 2^e as a float, e in [-126, 127].
 __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }
 
@@ -254,8 +246,9 @@ struct TileLoader {
 // and the terms that ex2.approx.ftz flushes (below 2^-126) weigh less than 2^-20 of the sum.
 // Otherwise (a larger score, NaN or infinite scores, a block of -inf) the warp takes the rows again
 // with their maxima m over the raw accumulators (scale > 0: the order of the scores; a NaN is ignored
-// there and reaches the sum): 2^(acc f2 - m f2) and m fac + ln(sum). A row that sees no key of the
-// tile is neither masked nor written: its sums only feed nothing.
+// there and reaches the sum): 2^(acc f2 - m f2) and m fac + ln(sum). The logarithms flush
+// subnormal sums, which neither case passes (the first takes sums >= 2^-100, the second's are >= 1,
+// 0 or NaN). A row that sees no key of the tile is neither masked nor written.
 template <bool MASK, int NR, class Acc>
 __device__ __forceinline__ void tile_rows_score(const Acc& acc, int r0, int tq, const int32_t (&lim)[2],
                                                 const float (&fac)[2], const float (&f2)[2], float* const (&out)[2]) {
@@ -304,7 +297,7 @@ __device__ __forceinline__ void tile_rows_score(const Acc& acc, int r0, int tq, 
     if (tq == 0) {
 #pragma unroll
       for (int r = 0; r < NR; ++r)
-        if (lim[r0 + r] >= 0) *out[r0 + r] = lg2_ftz(sum[r]) * kLn2;
+        if (lim[r0 + r] >= 0) *out[r0 + r] = attn::fast_log2(sum[r]) * kLn2;
     }
     return;
   }
@@ -328,17 +321,20 @@ __device__ __forceinline__ void tile_rows_score(const Acc& acc, int r0, int tq, 
   if (tq == 0) {
 #pragma unroll
     for (int r = 0; r < NR; ++r)
-      if (lim[r0 + r] >= 0) *out[r0 + r] = fmaf(m[r], fac[r0 + r], lg2_ftz(sum[r]) * kLn2);
+      if (lim[r0 + r] >= 0) *out[r0 + r] = fmaf(m[r], fac[r0 + r], attn::fast_log2(sum[r]) * kLn2);
   }
 }
 
-// Both rows of the thread (PAIR: together; else one after the other). The tile is taken without
-// masks unless a row of the warp sees part of it only (0 <= lim < 63; a row that sees all of it or
-// none needs no mask; checked where PAIR), or MASK is false (the caller knows every row sees all of
-// it).
+// Both rows of the thread (PAIR: together; else one after the other) for key tile `tile` (keys
+// j0 ..): last[r] is row r's last visible key, out[r] its score row. The tile is taken without masks
+// unless a row of the warp sees part of it only (0 <= lim < 63; a row that sees all of it or none
+// needs no mask; checked where PAIR), or MASK is false (the caller knows every row sees all of it).
 template <bool MASK, bool PAIR, class Acc>
-__device__ __forceinline__ void tile_row_scores(const Acc& acc, int tq, const int32_t (&lim)[2],
-                                                const float (&fac)[2], const float (&f2)[2], float* const (&out)[2]) {
+__device__ __forceinline__ void tile_row_scores(const Acc& acc, int tq, const int32_t (&last)[2], int32_t j0,
+                                                const float (&fac)[2], const float (&f2)[2], float* const (&outrow)[2],
+                                                int64_t tile) {
+  const int32_t lim[2] = {last[0] - j0, last[1] - j0};
+  float* const out[2] = {outrow[0] + tile, outrow[1] + tile};
   auto run = [&](auto maskc) {
     constexpr bool M = decltype(maskc)::value;
     if constexpr (PAIR) {

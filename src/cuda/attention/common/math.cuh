@@ -1,5 +1,5 @@
 // Register-level math shared by the attention kernel families (sm_90a and
-// portable): exponentials, exact small int -> float, quad row maxima of int32
+// portable) and the block scores: exponentials and logarithms, exact small int -> float, quad row maxima of int32
 // accumulators, e4m3 packing. Nothing here depends on the architecture's
 // matrix instructions; pack_e4m3x4 needs sm_89 or newer.
 #pragma once
@@ -14,6 +14,14 @@ namespace attn {
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// log2(x) on the special-function unit alone (flushes denormal inputs to 0, log2(0) = -inf;
+// __log2f rescales them first).
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 

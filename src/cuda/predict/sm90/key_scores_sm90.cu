@@ -45,7 +45,8 @@ struct Ks90 {
   // kStages - 2 tiles loading during a step; 2 CTAs per SM of two warpgroups, 4 of one (3 DEEP)
   static constexpr int kStages = (WG == 2 || DK == 64 || DEEP) ? 4 : 3;
   static constexpr int kMinBlocks = WG == 2 ? 2 : DEEP ? 3 : 4;
-  // a thread's two rows reduced together where the registers allow it (no spills: DEEP, Dk = 64)
+  // a thread's two rows reduced together where the registers allow it (ptxas, sm_90a: DEEP spills
+  // nothing, Dk = 64 4 bytes for bf16 and 24 for fp16; the other Dk = 128 kernels would spill 88-120)
   static constexpr bool kPair = DEEP || DK == 64;
   // 1024-byte aligned stages (the swizzle pattern repeats every 8 rows of 128 bytes)
   static constexpr int kSmem = 1024 + kStages * kStageBytes;
@@ -71,9 +72,8 @@ struct Rows90 {
 
 template <bool MASK, bool PAIR>
 __device__ __forceinline__ void reduce_tile(const float (&d)[32], const Rows90& rw, int tq, int32_t j0, int64_t tile) {
-  const int32_t lim[2] = {rw.last[0] - j0, rw.last[1] - j0};
-  float* const o[2] = {rw.out[0] + tile, rw.out[1] + tile};
-  ks::tile_row_scores<MASK, PAIR>([&](int n, int i) { return d[4 * n + i]; }, tq, lim, rw.fac, rw.f2, o);
+  ks::tile_row_scores<MASK, PAIR>([&](int n, int i) { return d[4 * n + i]; }, tq, rw.last, j0, rw.fac, rw.f2, rw.out,
+                                  tile);
 }
 
 template <int DK, class T, int WG, bool VEC, bool DEEP>
