@@ -316,7 +316,8 @@ static void usage(FILE* f) {
           "  --cdf X                select by cumulative probability X instead of top-k\n"
           "  --sim-threshold X      self-similarity threshold (default -0.1: off)\n"
           "  --sink | --no-sink     keep the first key block (counted in the budget; default: on)\n"
-          "  --window W             keep the diagonal key blocks and W-1 more per side (default: 2 when causal)\n"
+          "  --window W             keep the diagonal key blocks and W-1 more per side (default: 2 when\n"
+          "                         causal, 1 otherwise; 0: off)\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
           "  --estimator keys_lse|mean  block importance (default keys_lse: pooled q against every\n"
           "                         key; mean: pooled q against pooled k, the SpargeAttn rule)\n"
@@ -1090,7 +1091,7 @@ int main(int argc, char** argv) {
   else
     say("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
   say(", sim_threshold %.3g, smooth_k %d, sink %d, window %d, estimator %s\n", (double)o.sim_threshold, o.smooth_k,
-      o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 0), estimator_name(o.estimator));
+      o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 1), estimator_name(o.estimator));
   say("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
   say("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));

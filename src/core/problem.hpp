@@ -169,7 +169,7 @@ SPARGE_HD int32_t dense_blocks(int32_t qb, int causal, int32_t Lq, int32_t Lkv, 
 // The defaults of attention_sink / local_window = -1, per mode (chosen on captured activations:
 // docs/ACCURACY.md, "Predicted masks").
 inline bool default_sink(bool /*causal*/) { return true; }
-inline int32_t default_local_window(bool causal) { return causal ? 2 : 0; }
+inline int32_t default_local_window(bool causal) { return causal ? 2 : 1; }
 
 struct BudgetForced {
   int64_t lo = 1, hi = 0;  // key block range [lo, hi] (empty when lo > hi)

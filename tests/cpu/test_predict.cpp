@@ -108,7 +108,7 @@ std::vector<int64_t> kept_blocks(const Pred& p, int64_t b, int64_t h, int64_t qb
 std::vector<bool> budget_forced_blocks(const Pred& p, int64_t qb, int sink, int window) {
   const bool causal = p.prob.causal != 0;
   if (sink < 0) sink = 1;
-  if (window < 0) window = causal ? 2 : 0;
+  if (window < 0) window = causal ? 2 : 1;
   const int64_t vis = visible(p, qb), Lq = p.prob.len_q, Lkv = p.prob.len_kv;
   std::vector<bool> f(static_cast<size_t>(vis), false);
   if (vis == 0) return f;
@@ -376,6 +376,7 @@ TEST_CASE("non-compressible Q and K blocks are kept whole; sink keeps key block 
   params.topk = 0.1f;  // one block per row
   params.sim_threshold = 0.5f;
   params.attention_sink = 0;
+  params.local_window = 0;
   REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
   check_masks_binary_and_kept(p);
   for (int64_t h = 0; h < 2; ++h)
@@ -464,25 +465,43 @@ TEST_CASE("per-head parameters are honoured", "[cpu][predict]") {
   Plan plan(p.prob);
   const float topk[4] = {0.1f, 0.25f, 0.5f, 1.0f};
   const float sim[4] = {-0.1f, -0.1f, -0.1f, 2.0f};
+  // the default sink and window count in the budget: a row keeps at least its forced blocks
+  auto kept_at_least = [&](int64_t n) {
+    int64_t total = 0;
+    for (int64_t qb = 0; qb < p.nQB; ++qb) {
+      const auto F = budget_forced_blocks(p, qb, -1, -1);
+      total += std::max<int64_t>(n, std::count(F.begin(), F.end(), true));
+    }
+    return total;
+  };
   sparge_predict_params_t params = SPARGE_PREDICT_PARAMS_INIT;
   params.topk = 0.9f;  // overridden
   params.topk_per_head = topk;
   REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
   for (int64_t b = 0; b < 2; ++b)
-    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == p.nQB * topk_n(topk[h], 10));
+    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == kept_at_least(topk_n(topk[h], 10)));
   params.topk_per_head = nullptr;
   params.topk = 0.1f;
   params.sim_threshold_per_head = sim;
   REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
   for (int64_t b = 0; b < 2; ++b)
-    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == (h == 3 ? p.nQB * 10 : p.nQB * 1));
+    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == (h == 3 ? p.nQB * 10 : kept_at_least(1)));
   const float cdf[4] = {1.0f, 1e-6f, 1.0f, 1e-6f};
   params.sim_threshold_per_head = nullptr;
   params.mode = SPARGE_SELECT_CDF;
   params.cdf_threshold_per_head = cdf;
   REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
   for (int64_t b = 0; b < 2; ++b)
-    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == (h % 2 == 0 ? p.nQB * 10 : p.nQB * 1));
+    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == (h % 2 == 0 ? p.nQB * 10 : kept_at_least(1)));
+  // without sink and window, the counts alone
+  params.mode = SPARGE_SELECT_TOPK;
+  params.cdf_threshold_per_head = nullptr;
+  params.topk_per_head = topk;
+  params.attention_sink = 0;
+  params.local_window = 0;
+  REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 4; ++h) CHECK(int64_t(p.kept.get(b, h)) == p.nQB * topk_n(topk[h], 10));
 }
 
 TEST_CASE("other block sizes and the default 128 x 64", "[cpu][predict]") {
@@ -545,19 +564,20 @@ TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved",
 }
 
 // The default estimator is KEYS_LSE: SPARGE_PREDICT_PARAMS_INIT, NULL params and a caller of the 0.1 layout
-// (no estimator field) all predict its mask. One query block (every row 4 e0, scale 1/2) against four key
+// (no estimator field) all predict its mask. One query block (every row 4 e0, scale 1/2) against eight key
 // blocks: block 1 holds one key 5 e0 and 63 keys -e0 (per-key log-sum-exp ~10, mean score -1.8), block 2
-// 64 keys e0 (log-sum-exp 6.2, mean score 2), blocks 0 and 3 zeros; the sink keeps block 0 and top-k 0.5
-// one more: block 1 for KEYS_LSE, block 2 for MEAN.
+// 64 keys e0 (log-sum-exp 6.2, mean score 2), the others zeros; the default sink keeps block 0, the default
+// non-causal window 1 the diagonal blocks 6 and 7 (rows aligned to the last keys), and top-k 0.5 one more:
+// block 1 for KEYS_LSE, block 2 for MEAN. (Without the window, top-k would keep two more.)
 TEST_CASE("the default estimator is KEYS_LSE (INIT, NULL params, the 0.1 layout)", "[cpu][predict][keys_lse]") {
   const sparge_predict_params_t init = SPARGE_PREDICT_PARAMS_INIT;
   CHECK(init.estimator == SPARGE_ESTIMATOR_KEYS_LSE);
-  const int64_t Lq = 128, Lkv = 256, D = 4;
+  const int64_t Lq = 128, Lkv = 512, D = 4;
   sparge_problem_t prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_EXACT, false);
   Plan plan(prob);
   HostTensor q = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
   HostTensor k = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lkv, D, Layout::HND);
-  HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, 1, 4});
+  HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, 1, 8});
   for (int64_t i = 0; i < Lq; ++i)
     for (int64_t d = 0; d < D; ++d) q.set(0, 0, i, d, d == 0 ? 4.0f : 0.0f);
   for (int64_t j = 0; j < Lkv; ++j) {
@@ -567,13 +587,13 @@ TEST_CASE("the default estimator is KEYS_LSE (INIT, NULL params, the 0.1 layout)
   auto predicted = [&](const sparge_predict_params_t* prm) {
     REQUIRE(run_predict(plan, q, k, prm, mask, nullptr) == SPARGE_OK);
     std::vector<int> m;
-    for (int64_t kb = 0; kb < 4; ++kb) m.push_back(mask.get(0, 0, 0, kb) != 0.0f ? 1 : 0);
+    for (int64_t kb = 0; kb < 8; ++kb) m.push_back(mask.get(0, 0, 0, kb) != 0.0f ? 1 : 0);
     return m;
   };
   sparge_predict_params_t lse = SPARGE_PREDICT_PARAMS_INIT, mean = SPARGE_PREDICT_PARAMS_INIT;
   lse.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
   mean.estimator = SPARGE_ESTIMATOR_MEAN;
-  const std::vector<int> want_lse = {1, 1, 0, 0}, want_mean = {1, 0, 1, 0};
+  const std::vector<int> want_lse = {1, 1, 0, 0, 0, 0, 1, 1}, want_mean = {1, 0, 1, 0, 0, 0, 1, 1};
   CHECK(predicted(&lse) == want_lse);
   CHECK(predicted(&mean) == want_mean);
   CHECK(predicted(&init) == want_lse);

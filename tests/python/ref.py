@@ -90,7 +90,7 @@ def budget_forced(qb, nv, Lq, Lkv, bq, bk, causal, sink, window):
     if sink is None:
         sink = True
     if window is None:
-        window = 2 if causal else 0
+        window = 2 if causal else 1
     rows = np.arange(qb * bq, min(Lq, qb * bq + bq))
     diag = np.clip(rows + (Lkv - Lq), 0, Lkv - 1) // bk
     first, last = int(diag.min()), int(diag.max())

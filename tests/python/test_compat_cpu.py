@@ -25,13 +25,13 @@ def test_shim_imports():
 @pytest.mark.parametrize("causal", [False, True])
 def test_topk_names(rng, layout, causal):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=384, D=32, dtype=np.float16, layout=layout)
+    fixed = dict(estimator="mean", attention_sink=True, local_window=2 if causal else 0)  # sparge.compat's
     for fn, prec in ((sparge.spas_sage2_attn_meansim_topk_cuda, "int8_fp8"),
                      (sparge.spas_sage_attn_meansim_topk_cuda, "int8_fp16")):
         out = fn(q, k, v, topk=0.4, is_causal=causal, tensor_layout=layout)
-        same = sparge.attention(q, k, v, topk=0.4, is_causal=causal, layout=layout, precision=prec,
-                                estimator="mean")
+        same = sparge.attention(q, k, v, topk=0.4, is_causal=causal, layout=layout, precision=prec, **fixed)
         np.testing.assert_array_equal(out, same)
-        mask = sparge.predict_mask(q, k, topk=0.4, is_causal=causal, layout=layout, estimator="mean")
+        mask = sparge.predict_mask(q, k, topk=0.4, is_causal=causal, layout=layout, **fixed)
         expect, _ = ref.attention(q, k, v, mask=mask, causal=causal, layout=layout)
         assert ref.cosine(out, expect) > 0.995
         assert out.dtype == np.float16
@@ -41,18 +41,19 @@ def test_cdf_names_defaults(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
     out = sparge.spas_sage2_attn_meansim_cuda(q, k, v)
     same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.98, sim_threshold=0.6, estimator="mean",
-                            precision="int8_fp8")
+                            precision="int8_fp8", attention_sink=True, local_window=0)
     np.testing.assert_array_equal(out, same)
     out = sparge.spas_sage_attn_meansim_cuda(q, k, v, cdfthreshd=0.5, simthreshd1=0.1, is_causal=True)
     same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.5, sim_threshold=0.1, is_causal=True,
-                            precision="int8_fp16", estimator="mean")
+                            precision="int8_fp16", estimator="mean", attention_sink=True, local_window=2)
     np.testing.assert_array_equal(out, same)
 
 
 def test_topk_none_means_cdf(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=256, Lkv=512, D=32, dtype=np.float16)
     out = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, topk=None, cdfthreshd=0.7)
-    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.7, estimator="mean", precision="int8_fp8")
+    same = sparge.attention(q, k, v, mode="cdf", cdf_threshold=0.7, estimator="mean", precision="int8_fp8",
+                            attention_sink=True, local_window=0)
     np.testing.assert_array_equal(out, same)
 
 
@@ -61,18 +62,35 @@ def test_the_original_mean_rule(rng):
     # different blocks
     assert sparge.compat.ESTIMATOR == "mean"
     q, k, v = (x.astype(np.float16) for x in spike_inputs(rng))
-    mean = sparge.predict_mask(q, k, topk=0.25, estimator="mean")
-    assert not np.array_equal(mean, sparge.predict_mask(q, k, topk=0.25))
+    mean = sparge.predict_mask(q, k, topk=0.25, estimator="mean", attention_sink=True, local_window=0)
+    assert not np.array_equal(mean, sparge.predict_mask(q, k, topk=0.25, attention_sink=True, local_window=0))
     for fn, prec in ((sparge.spas_sage2_attn_meansim_topk_cuda, "int8_fp8"),
                      (sparge.spas_sage_attn_meansim_topk_cuda, "int8_fp16")):
         out = fn(q, k, v, topk=0.25)
         np.testing.assert_array_equal(out, sparge.attention(q, k, v, mask=mean, precision=prec))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sink", [False, True])
+def test_sink_and_window_are_fixed(rng, monkeypatch, causal, sink):
+    # the predicting names pass their own sink and window (not the library's defaults of the mode, -1)
+    seen = []
+    monkeypatch.setattr(sparge.compat, "attention", lambda *a, **kw: seen.append(kw) or a[0])
+    q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=128, Lkv=128, D=32, dtype=np.float16)
+    for fn in (sparge.spas_sage2_attn_meansim_topk_cuda, sparge.spas_sage2_attn_meansim_cuda,
+               sparge.spas_sage_attn_meansim_topk_cuda, sparge.spas_sage_attn_meansim_cuda):
+        fn(q, k, v, is_causal=causal, attention_sink=sink)
+    assert len(seen) == 4
+    for kw in seen:
+        assert kw["attention_sink"] is True and kw["local_window"] == (2 if causal else 0)
+        assert kw["estimator"] == "mean"
+
+
 def test_return_sparsity_is_skipped_fraction(rng):
     q, k, v = make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=256, Lkv=640, D=32, dtype=np.float16)
     out, sp = sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, topk=0.3, is_causal=True, return_sparsity=True)
-    _, density = sparge.attention(q, k, v, topk=0.3, is_causal=True, return_sparsity=True, estimator="mean")
+    _, density = sparge.attention(q, k, v, topk=0.3, is_causal=True, return_sparsity=True, estimator="mean",
+                                  attention_sink=True, local_window=2)
     assert sp == pytest.approx(1.0 - density) and 0.0 < sp < 1.0
 
 
@@ -131,7 +149,7 @@ def test_the_original_mean_rule_cdf(rng, cdf):
     # the CDF-mode names and the autotune module's predicted path use the mean rule too: inputs where
     # the two rules keep different blocks at this threshold
     q, k, v = (x.astype(np.float16) for x in spike_inputs(rng))
-    kw = dict(mode="cdf", cdf_threshold=cdf, sim_threshold=-0.1)
+    kw = dict(mode="cdf", cdf_threshold=cdf, sim_threshold=-0.1, attention_sink=True, local_window=0)
     mean = sparge.predict_mask(q, k, estimator="mean", **kw)
     if np.array_equal(mean, sparge.predict_mask(q, k, **kw)):
         pytest.skip("the estimators agree at cdf %g on these inputs" % cdf)

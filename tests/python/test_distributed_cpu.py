@@ -172,6 +172,28 @@ def test_sequence_parallel_matches_one_process(world, rng):
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("window", [None, 0, 1, 3])
+def test_ring_mask_rows_non_causal(window, rng, monkeypatch):
+    """Every rank's rows of the global mask (sparge.distributed._global_mask_rows, the all-gather replaced
+    by the whole tensor) equal one process's mask, with and without the local window (the default has
+    one, which sits at the rows' global positions)."""
+    import torch
+
+    world, N = 4, 4 * 256
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    q = torch.randn(1, 4, N, 32, generator=g)
+    k = torch.randn(1, 2, N, 32, generator=g)
+    monkeypatch.setattr(sd, "_all_gather_seq", lambda x, world_, group: q if x.shape[1] == q.shape[1] else k)
+    kw = sd._sparse_kw(0.3, "topk", None, -0.1, True, None, window, "keys_lse", "exact", (128, 64), None)
+    mask = sparge.predict_mask(q, k, is_causal=False, **kw)
+    qb_per = N // world // 128
+    for r in range(world):
+        rows = sd._global_mask_rows(sd.shard_sequence(q, r, world, dim=2), sd.shard_sequence(k, r, world, dim=2),
+                                    world, None, False, False, sd.shard_chunks(r, world, False), qb_per, kw)
+        assert torch.equal(rows, mask[:, :, r * qb_per:(r + 1) * qb_per])
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 @pytest.mark.parametrize("world,causal,zigzag", [(8, True, True), (3, True, False), (5, False, False)])
 def test_ring_steps_of_every_rank_in_one_process(world, causal, zigzag, rng):
     """The ring's per-rank steps, run for every rank in one process (no communication), give one
@@ -190,9 +212,11 @@ def test_ring_steps_of_every_rank_in_one_process(world, causal, zigzag, rng):
     ref, ref_lse = sparge.attention(q, k, v, is_causal=causal, mask=mask, return_lse=True, precision="exact",
                                     block_size=(64, 64))
     assert torch.equal(rows, mask)
-    if not causal:  # ring_attention predicts non-causal rows from the local queries and all of K
+    if not causal:  # without a local window, ring_attention predicts non-causal rows from the local queries
+        kw0 = dict(kw, local_window=0)
+        mask0 = sparge.predict_mask(q, k, **kw0)
         for r in range(world):
-            local = sparge.predict_mask(sd.shard_sequence(q, r, world, dim=2), k, **kw)
-            assert torch.equal(local, mask[:, :, r * (N // world // 64):(r + 1) * (N // world // 64)])
+            local = sparge.predict_mask(sd.shard_sequence(q, r, world, dim=2), k, **kw0)
+            assert torch.equal(local, mask0[:, :, r * (N // world // 64):(r + 1) * (N // world // 64)])
     assert (out - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
     assert (lse - ref_lse).abs().max().item() <= 2e-6

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import yardstick as Y  # noqa: E402
 
-def series(cap, estimator, sink=None, window=None):
+
+def series(cap, estimator, sink, window):
+    """The rows of one setting (sink / window None: the defaults of the mode), by density."""
     pts = [r for r in cap["rows"] if r["estimator"] == estimator and r["topp"] is None
-           and (sink is None or r["sink"] == sink) and (window is None or r["window"] == window)]
+           and r["sink"] == sink and r["window"] == window]
     pts.sort(key=lambda r: r["pred_density"])
     return [r["pred_density"] for r in pts], [r["pred_rel_l1"] for r in pts]
 
@@ -35,7 +40,7 @@ def plot(data, png):
         ax.plot([r["density"] for r in oc], [r["rel_l1"] for r in oc], "k-", lw=2, label="oracle")
         x, y = series(cap, "mean", False, 0)
         ax.plot(x, y, "r--o", ms=3, label="mean, no sink/window (0.1 defaults)")
-        x, y = series(cap, "mean", True, 2 if causal else 0)
+        x, y = series(cap, "mean", True, Y.default_window(causal))
         ax.plot(x, y, "b-o", ms=3, label="mean, defaults")
         x, y = series(cap, "keys_lse", None, None)
         ax.plot(x, y, "g-s", ms=3, label="keys_lse, defaults")
@@ -61,12 +66,12 @@ def _find(cap, est, topk, sink, window, topp=None):
 
 
 def tables(data):
-    """Two markdown tables: the defaults against the oracle, and the estimators."""
+    """Three markdown tables: the defaults against the oracle, the estimators, keys_lse's windows."""
     out = ["| capture | top-k | mean, no sink, no window: density / rel. L1 / ×oracle | mean, default sink and "
            "window: density / rel. L1 / oracle / ×oracle | keys_lse (the default): rel. L1 / ×oracle | zero rows |",
            "|---|---:|---|---|---|---:|"]
     for cap in data:
-        s, w = (True, 2) if cap["causal"] else (True, 0)
+        s, w = Y.default_sink(cap["causal"]), Y.default_window(cap["causal"])
         for t in (0.2, 0.5):
             old, new, lse = _find(cap, "mean", t, False, 0), _find(cap, "mean", t, s, w), _find(cap, "keys_lse", t, None, None)
             if not (old and new and lse):
@@ -78,7 +83,7 @@ def tables(data):
     out += ["", "| capture | top-k | mean | keys_lse | pooled Q vs keys, max | 4 sampled rows | antidiagonal, stride 8 "
             "| keys_lse_split2 | mean, top-p 0.9 (density) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for cap in data:
-        s, w = (True, 2) if cap["causal"] else (True, 0)
+        s, w = Y.default_sink(cap["causal"]), Y.default_window(cap["causal"])
         for t in (0.2, 0.5):
             cells = []
             for est in ("mean", "keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2"):
@@ -86,6 +91,16 @@ def tables(data):
                 cells.append("%.2f×" % r["ratio_l1"] if r else "—")
             r = _find(cap, "mean", t, None, None, 0.9)
             cells.append("%.2f× (%.3f)" % (r["ratio_l1"], r["pred_density"]) if r else "—")
+            out.append("| %s | %.1f | %s |" % (cap["capture"], t, " | ".join(cells)))
+    out += ["", "| capture | top-k | keys_lse, window 0 | window 1 | window 2 | window 3 |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for cap in data:
+        dw = Y.default_window(cap["causal"])
+        for t in (0.2, 0.5):
+            cells = []
+            for w in range(4):
+                r = _find(cap, "keys_lse", t, None, None if w == dw else w)
+                cells.append(("**%.3f×**" if w == dw else "%.3f×") % r["ratio_l1"] if r else "—")
             out.append("| %s | %.1f | %s |" % (cap["capture"], t, " | ".join(cells)))
     return "\n".join(out) + "\n"
 

@@ -20,9 +20,9 @@ CURVE = [0.05, 0.1, 0.2, 0.3, 0.5, 0.7]
 
 
 def settings(causal: bool, full: bool):
-    """The 0.1 defaults (no sink, no window), the current defaults (sink; window 2 when causal) and
-    sink / window variants with the mean rule; every estimator with the current defaults; top-k
-    combined with top-p."""
+    """The 0.1 defaults (no sink, no window), the current defaults (sink; window 2 when causal, 1
+    otherwise) and sink / window variants with the mean rule; every estimator with the current defaults;
+    keys_lse with the other windows 0-3; top-k combined with top-p."""
     dens = CURVE if full else [0.2, 0.5]
     out = []
     sw = [(False, 0), (True, 0), (True, 1), (True, 2)] if causal else [(False, 0), (True, 0), (True, 1)]
@@ -32,6 +32,10 @@ def settings(causal: bool, full: bool):
     for est in ["keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2"]:
         for t in dens if est == "keys_lse" else [0.2, 0.5]:
             out.append(Y.Setting(topk=t, sink=None, window=None, estimator=est))
+    for t in [0.2, 0.5]:
+        for w in range(4):
+            if w != Y.default_window(causal):
+                out.append(Y.Setting(topk=t, sink=None, window=w, estimator="keys_lse"))
     for t in [0.2, 0.5]:
         for p in [0.9, 0.95]:
             out.append(Y.Setting(topk=t, topp=p, sink=None, window=None, estimator="mean"))

@@ -308,7 +308,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         attention_sink: keep key block 0 in every row, counted in the top-k / CDF budget; None: the
             default (on; docs/ACCURACY.md, "Predicted masks").
         local_window: w >= 1 keeps the key blocks on the diagonal and w - 1 more on each side, counted
-            in the budget; 0: off; None: the default of the mode (2 when causal, 0 otherwise). With
+            in the budget; 0: off; None: the default of the mode (2 when causal, 1 otherwise). With
             ``is_causal`` the first diagonal block is always kept, so no query row is left without a key.
         estimator: block importance: "keys_lse" (default: mean-pooled Q against every key, log-sum-exp
             per key block; closest to the oracle mask, docs/ACCURACY.md), "keys_lse_split2" (keys_lse for

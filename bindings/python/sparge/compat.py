@@ -21,7 +21,10 @@ deliberate:
   count instead of the original's causal approximation).
 * Causality is exact at token level and bottom-right aligned.
 * Block importance is the original's mean rule (``estimator="mean"``), not
-  libsparge's default ``"keys_lse"``.
+  libsparge's default ``"keys_lse"``. Key block 0 (the attention sink) is kept
+  also with ``attention_sink=False``, and the local window is 2 blocks when
+  causal, off otherwise (``ATTENTION_SINK``, ``LOCAL_WINDOW``), whatever the
+  library's defaults.
 * ``attn_mask`` (a dense mask) and ``dropout_p > 0`` are not supported
   (:class:`sparge.UnsupportedError`); head dims and sequence lengths are not
   restricted to the original's 64/128 and >= 128.
@@ -60,6 +63,10 @@ AS_COMPUTED: Any = _AsComputed()
 _PV_DEFAULT = 50
 #: block-importance estimator of the predicting functions: the original's rule (mean-pooled Q and K)
 ESTIMATOR = "mean"
+#: attention sink and local window of the predicting functions (causal, non-causal), fixed here so
+#: that the library's defaults, chosen for its own estimator, do not move these names
+ATTENTION_SINK = True
+LOCAL_WINDOW = {True: 2, False: 0}
 _pv_warned = False
 
 
@@ -140,7 +147,8 @@ def _predicted(q: Any, k: Any, v: Any, *, attn_mask: Any, dropout_p: float, is_c
         mode, cdf = "cdf", (cdfthreshd if cdfthreshd is not None else 0.98)
     res = attention(q, k, v, topk=topk if topk is not None else 0.5, is_causal=is_causal, scale=scale,
                     layout=tensor_layout, mode=mode, cdf_threshold=cdf, sim_threshold=simthreshd1,
-                    smooth_k=smooth_k, attention_sink=True if attention_sink else None, estimator=ESTIMATOR,
+                    smooth_k=smooth_k, attention_sink=ATTENTION_SINK, local_window=LOCAL_WINDOW[bool(is_causal)],
+                    estimator=ESTIMATOR,
                     precision=precision, return_sparsity=return_sparsity, return_lse=return_lse and not return_sparsity)
     return _finish(res, output_dtype, return_sparsity, return_lse)
 

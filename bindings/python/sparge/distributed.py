@@ -11,8 +11,8 @@ being ``N = world * S`` tokens long. Two ways to attend over all ``N`` tokens:
 - :func:`ring_attention`: every rank keeps its queries; the K/V shards travel around the ring
   (the transfer of the next shard overlaps the attention on the current one) and the partial
   results are merged exactly by their LSE (:func:`sparge.merge_states`). The block mask is the
-  global one: predicted from all of K (and, causal, all of Q), so every rank keeps exactly the
-  blocks one GPU would keep.
+  global one: predicted from all of K (and, causal or with a local window, the default, all of Q),
+  so every rank keeps exactly the blocks one GPU would keep.
 
 Causal attention needs the load-balanced *zig-zag* sharding: the sequence is cut into
 ``2 * world`` chunks and rank ``r`` holds chunks ``r`` and ``2 * world - 1 - r`` (concatenated),
@@ -378,14 +378,15 @@ def _global_mask_rows(qh: Any, kh: Any, world: int, group: Any, zig: bool, causa
                       qb_per: int, kw: Dict[str, Any]) -> Any:
     """Rows of the global block mask for this rank's query blocks (shard order).
 
-    Non-causal without a local window: this rank's queries against all of K (a query block's row
+    Non-causal with ``local_window=0``: this rank's queries against all of K (a query block's row
     depends on that block and on all of K only). Causal, or with a local window (whose blocks sit
-    at the global query positions): all of Q and all of K, as one GPU would see them."""
+    at the global query positions; None, the default, is one in both modes): all of Q and all of K,
+    as one GPU would see them."""
     torch = _torch()
     B, Hq, S, D = qh.shape
     Hkv = kh.shape[1]
     G = Hq // Hkv
-    full_q = causal or bool(kw.get("local_window"))
+    full_q = causal or kw.get("local_window") != 0
     per_kv_head = world * S * D * qh.element_size() * (1 + (G if full_q else 0)) * B
     step = max(1, min(Hkv, PREDICT_GATHER_BYTES // max(1, per_kv_head)))
     to_nat = _natural_index(world, zig, S, qh.device)[0] if zig else None

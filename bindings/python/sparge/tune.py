@@ -204,7 +204,7 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
     Hq = caps[0].Hq
     if any(c.causal != causal or c.Hq != Hq for c in caps):
         raise ValueError("layer %s: captures differ in causality or head count" % name)
-    sw = [(True, 1), (True, 2), (False, 1)] if causal else [(False, 0), (True, 0), (False, 1)]
+    sw = [(True, 1), (True, 2), (False, 1)] if causal else [(False, 0), (True, 0), (False, 1), (True, 1)]
     ests = ("keys_lse", "keys_lse_split2", "mean")  # the default first: it wins ties
     cands = [_Cand(s, w, "topk", t, sim, e) for e in ests for s, w in sw for t in topk_grid for sim in sim_grid]
     cands += [_Cand(s, w, "cdf", c, sim, e) for e in ests for s, w in sw for c in cdf_grid for sim in sim_grid]

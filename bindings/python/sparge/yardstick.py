@@ -455,12 +455,22 @@ class Setting:
         return "%s %s sink %s win %s" % (self.estimator, sel, s, w)
 
 
+def default_sink(causal: bool) -> bool:
+    """The library's attention_sink = -1 (None): on in both modes."""
+    return True
+
+
+def default_window(causal: bool) -> int:
+    """The library's local_window = -1 (None): 2 when causal, 1 otherwise."""
+    return 2 if causal else 1
+
+
 def budget_forced(qb: int, nv: int, Lq: int, Lkv: int, causal: bool, sink: Optional[bool],
                   window: Optional[int]) -> np.ndarray:
     if sink is None:
-        sink = True
+        sink = default_sink(causal)
     if window is None:
-        window = 2 if causal else 0
+        window = default_window(causal)
     rows = np.arange(qb * BQ, min(Lq, qb * BQ + BQ))
     diag = np.clip(rows + (Lkv - Lq), 0, Lkv - 1) // BK
     first, last = int(diag.min()), int(diag.max())

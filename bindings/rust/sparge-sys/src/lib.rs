@@ -159,7 +159,7 @@ pub struct sparge_predict_params_t {
     pub cdf_threshold_per_head: *const f32,
     pub sim_threshold_per_head: *const f32,
     pub pv_threshold: f32,
-    /// Since 0.2: -1 = the default of the mode (causal 2, else 0), 0 = off, w >= 1 = diagonal blocks and
+    /// Since 0.2: -1 = the default of the mode (causal 2, else 1), 0 = off, w >= 1 = diagonal blocks and
     /// w - 1 more per side.
     pub local_window: i32,
     /// Since 0.2: `SPARGE_ESTIMATOR_*`.

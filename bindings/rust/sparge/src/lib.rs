@@ -405,7 +405,7 @@ pub struct PredictParams {
     /// Keep key block 0 in every row, counted in the budget; None = the default (on).
     pub attention_sink: Option<bool>,
     /// Keep the diagonal key blocks and `w - 1` more on each side, counted in the budget;
-    /// Some(0) = off; None = the default of the mode (2 when causal, 0 otherwise).
+    /// Some(0) = off; None = the default of the mode (2 when causal, 1 otherwise).
     pub local_window: Option<i32>,
     /// Block-importance estimator; the default is `KeysLse`.
     pub estimator: Estimator,

@@ -164,13 +164,14 @@ fn the_default_estimator_is_keys_lse() {
     assert_eq!(d.estimator, Estimator::KeysLse);
     assert_eq!(d.to_raw().estimator, sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE);
     assert_eq!(sparge::sys::sparge_predict_params_t::default().estimator, sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE);
-    // One query block (every row 4 e0, scale 1/2) against four key blocks: block 1 holds one key 5 e0 and
+    // One query block (every row 4 e0, scale 1/2) against eight key blocks: block 1 holds one key 5 e0 and
     // 63 keys -e0 (per-key log-sum-exp ~10, mean score -1.8), block 2 64 keys e0 (log-sum-exp 6.2, mean
-    // score 2), blocks 0 and 3 zeros. The sink keeps block 0, top-k 0.5 one more: block 1 for KeysLse,
+    // score 2), the others zeros. The default sink keeps block 0, the default non-causal window 1 the
+    // diagonal blocks 6 and 7 (rows aligned to the last keys), top-k 0.5 one more: block 1 for KeysLse,
     // block 2 for Mean. No parameters and the default ones predict the KeysLse mask.
-    let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
+    let plan = Plan::new(&exact_problem(1, 1, 1, 128, 512, 4, false)).unwrap();
     let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == 0 { 4.0 } else { 0.0 }).collect();
-    let k: Vec<f32> = (0..256 * 4)
+    let k: Vec<f32> = (0..512 * 4)
         .map(|i| match (i / 4, i % 4) {
             (64, 0) => 5.0,
             (65..=127, 0) => -1.0,
@@ -179,13 +180,14 @@ fn the_default_estimator_is_keys_lse() {
         })
         .collect();
     let predict = |p: Option<&PredictParams>| {
-        let mut m = vec![0u8; 4];
+        let mut m = vec![0u8; 8];
         plan.predict_mask(&q, &k, p, &mut m, None).unwrap();
         m
     };
     let lse = predict(Some(&PredictParams { estimator: Estimator::KeysLse, ..Default::default() }));
-    assert_eq!(lse, vec![1, 1, 0, 0]);
-    assert_eq!(predict(Some(&PredictParams { estimator: Estimator::Mean, ..Default::default() })), vec![1, 0, 1, 0]);
+    assert_eq!(lse, vec![1, 1, 0, 0, 0, 0, 1, 1]);
+    assert_eq!(predict(Some(&PredictParams { estimator: Estimator::Mean, ..Default::default() })),
+               vec![1, 0, 1, 0, 0, 0, 1, 1]);
     assert_eq!(predict(Some(&PredictParams::default())), lse);
     assert_eq!(predict(None), lse);
 }
@@ -195,7 +197,8 @@ fn keys_lse_split2_keeps_both_groups_blocks() {
     // One query block of two row groups (rows 0..63: 4 e0, rows 64..127: 4 e1; scale 1/2) against
     // four key blocks: 0 zeros (the sink), 1 holds 1.5 e0, 2 holds 1.5 e1, 3 holds e0 + e1. The pooled
     // row 2 e0 + 2 e1 ranks block 3 first (KeysLse); each group's own block mass is 0.68 on its block
-    // and 0.25 on block 3, so their average ranks blocks 1 and 2 above block 3 (KeysLseSplit2).
+    // and 0.25 on block 3, so their average ranks blocks 1 and 2 above block 3 (KeysLseSplit2). No local
+    // window (the default one would keep the diagonal blocks 2 and 3).
     let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
     let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == usize::from(i / 4 >= 64) { 4.0 } else { 0.0 }).collect();
     let k: Vec<f32> = (0..256 * 4)
@@ -208,7 +211,7 @@ fn keys_lse_split2_keeps_both_groups_blocks() {
         .collect();
     let predict = |e: Estimator| {
         let mut m = vec![0u8; 4];
-        let p = PredictParams { estimator: e, topk: 0.75, ..Default::default() };
+        let p = PredictParams { estimator: e, topk: 0.75, local_window: Some(0), ..Default::default() };
         plan.predict_mask(&q, &k, Some(&p), &mut m, None).unwrap();
         m
     };
@@ -225,9 +228,13 @@ fn cdf_mode_and_per_head_topk() {
     let (q, k) = (r.vec(2 * 256 * 16), r.vec(512 * 16));
     let mut mask = vec![0u8; plan.mask_shape().iter().product::<i64>() as usize];
     let mut kept = vec![0i32; 2];
-    let params = PredictParams { topk_per_head: Some(vec![1.0, 0.25]), ..Default::default() };
+    let params = PredictParams { topk_per_head: Some(vec![1.0, 0.25]), local_window: Some(0), ..Default::default() };
     plan.predict_mask(&q, &k, Some(&params), &mut mask, Some(&mut kept)).unwrap();
     assert_eq!(kept, vec![2 * 8, 2 * 2]);
+    // the default window (1, not causal: the two diagonal blocks) and the sink count in the budget: 3 > 0.25 * 8
+    let params = PredictParams { topk_per_head: Some(vec![1.0, 0.25]), ..Default::default() };
+    plan.predict_mask(&q, &k, Some(&params), &mut mask, Some(&mut kept)).unwrap();
+    assert_eq!(kept, vec![2 * 8, 2 * 3]);
     let cdf = PredictParams { mode: SelectMode::Cdf, cdf_threshold: 1.0, ..Default::default() };
     plan.predict_mask(&q, &k, Some(&cdf), &mut mask, Some(&mut kept)).unwrap();
     assert!(kept.iter().all(|&n| n >= 2 && n <= 16), "kept {kept:?}");
