@@ -256,6 +256,10 @@ TEST_CASE("attention, medium shapes: vs float64 and the CPU backend", "[gpu][att
       {"L1000-d96-outl", shp(1, 2, 2, 1000, 1000, 96, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true, true, 0},
       {"L1000-d256", shp(1, 4, 4, 1000, 1000, 256, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, true, 0},
       {"gqa8-d256-pad", shp(1, 8, 1, 300, 700, 256, false), Layout::HND_PAD, SPARGE_DTYPE_FLOAT16, false, true, 0},
+      // Many short rows (>= 2 per SM up to 200 SMs): FP16 dense calls on persistent CTAs (sm_90a),
+      // several rows per CTA; causal with an odd query-block count (a pair without its short row).
+      {"many-rows", shp(4, 26, 13, 500, 500, 64, false), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, true, 0},
+      {"many-rows-causal", shp(2, 40, 8, 600, 600, 128, true), Layout::HND, SPARGE_DTYPE_FLOAT16, false, true, 0},
   };
   for (const AttnCase& c : cases) run_case(c, kDensities);
 }

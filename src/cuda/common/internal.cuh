@@ -40,6 +40,7 @@ struct AttnArgs {
   // outputs
   Tensor4 out;
   LseView lse;                     // lse.data == nullptr: not wanted
+  int sm_count = 0;                // the device's multiprocessors (grids of persistent CTAs)
 };
 
 // The scheduling stage's read-ahead contract with the attention kernels: the

@@ -23,6 +23,8 @@ const DevSwitches& dev_switches() {
     if (env_is("SPARGE_FP16_KERNEL", "sm90")) d.fp16 = Fp16Choice::kSm90Only;
     d.force_portable = env_is("SPARGE_KERNEL_FAMILY", "portable");
     d.graphs = !env_is("SPARGE_GRAPHS", "0");
+    if (env_is("SPARGE_SM90_PERSIST", "0")) d.persist = 0;
+    if (env_is("SPARGE_SM90_PERSIST", "1")) d.persist = 1;
     return d;
   }();
   return s;

@@ -10,6 +10,9 @@
 //                                 by one instead of replaying the key's CUDA graph
 //   SPARGE_FP16_KERNEL=sm90       an FP16 call the sm_90a kernel cannot take is an
 //                                 error instead of a fallback to the portable kernel
+//   SPARGE_SM90_PERSIST=0 / 1     dense calls of the sm_90a 16-bit kernels never / always
+//                                 run on persistent CTAs (default: where the rule of
+//                                 sm90::use_persistent says)
 // and one documented setting (docs/API.md), read the same way:
 //   SPARGE_KERNEL_FAMILY=portable plans choose the portable (mma.sync) family on any
 //                                 GPU, also where an architecture-specific one exists
@@ -26,6 +29,7 @@ struct DevSwitches {
   Fp16Choice fp16 = Fp16Choice::kAuto;
   bool force_portable = false;
   bool graphs = true;
+  int persist = -1;  // SPARGE_SM90_PERSIST: 0, 1, or -1 (the rule)
 };
 
 const DevSwitches& dev_switches();

@@ -25,6 +25,7 @@ struct Params {
   float* lse;
   int64_t lse_stride[3];
   int Hq, group, Lq, Lkv, nQB, nKB;
+  int n_rows;            // B * Hq * nQB: the mask rows of the call
   float scale_log2;      // scale * log2(e)
   int tma_store;         // the output goes out through shared memory and the tm_o tensor map
   int out_bf16;          // the output's 16-bit type (mainloops not templated on it)
@@ -53,6 +54,7 @@ inline Params make_params(const AttnArgs& a) {
   p.Lkv = static_cast<int>(pb.Lkv);
   p.nQB = static_cast<int>(pb.nQB);
   p.nKB = static_cast<int>(pb.nKB);
+  p.n_rows = static_cast<int>(pb.B * pb.Hq * pb.nQB);
   p.scale_log2 = pb.scale * kLog2e;
   p.out_bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
   p.q_scale = a.q_scale;
@@ -84,6 +86,19 @@ struct RowWork {
     n_tiles = dense ? dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB) : p.cnt[row_id];
     tiles = dense ? nullptr : p.idx + int64_t(row_id) * p.nKB;
   }
+  // Dense work: mask row `row` (persistent CTAs, persistent_row).
+  template <class P>
+  __device__ __forceinline__ RowWork(const P& p, int row) {
+    row_id = row;
+    bh = row_id / p.nQB;
+    qb = row_id - bh * p.nQB;
+    b = bh / p.Hq;
+    h = bh - b * p.Hq;
+    hkv = h / p.group;
+    bhkv = b * (p.Hq / p.group) + hkv;
+    n_tiles = dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB);
+    tiles = nullptr;
+  }
   // Steps of kHalves listed blocks.
   template <int kHalves>
   __device__ __forceinline__ int steps() const {
@@ -97,6 +112,33 @@ struct RowWork {
     return (u * kHalves + hh < n_tiles) ? listed(u * kHalves + hh) : -1;
   }
 };
+
+// Dense work on persistent CTAs (one per SM, each taking its rows in turn):
+// the mask row of the k-th slot of CTA `cta` of `ctas`, -1 past the last, -2
+// for a slot without a row. Non-causal: rows cta, cta + ctas, ... of
+// dense_row's order (all rows equally long). Causal: units of two rows, query
+// blocks nQB-1-r (long, first) and r (short) of one head, about nQB + 1
+// blocks' work each, so that a static stride gives every CTA nearly the same
+// work; unit cta + (k/2) * ctas, units group by group as dense_row orders rows
+// (the short row of the middle unit of an odd nQB is the -2 slot).
+__device__ __forceinline__ int persistent_row(const Params& p, int cta, int ctas, int k) {
+  if (!p.causal) {
+    const int64_t t = int64_t(cta) + int64_t(k) * ctas;
+    return t < p.n_rows ? dense_row(int32_t(t), p.Hq, p.group, p.nQB, 0) : -1;
+  }
+  const int pairs = (p.nQB + 1) / 2;
+  const int64_t unit = int64_t(cta) + int64_t(k / 2) * ctas;
+  const int64_t per_group = int64_t(p.group) * pairs;
+  if (unit >= int64_t(p.n_rows / p.nQB) * pairs) return -1;
+  const int g = int(unit / per_group);
+  const int j = int(unit - g * per_group);
+  const int r = j / p.group, hh = j - r * p.group;
+  const int Hkv = p.Hq / p.group;
+  const int b = g / Hkv, hkv = g - b * Hkv;
+  const bool second = (k & 1) != 0;
+  if (second && r == p.nQB - 1 - r) return -2;
+  return (b * p.Hq + hkv * p.group + hh) * p.nQB + (second ? r : p.nQB - 1 - r);
+}
 
 }  // namespace attn
 }  // namespace cuda

@@ -16,6 +16,10 @@
 //        which overwrite the P registers P.V(u-1) read. The other warpgroup
 //        has its turn meanwhile, so one's softmax overlaps the other's matrix
 //        products.
+// Dense work of the 16-bit mainloops may instead run on persistent CTAs (at
+// most one per SM, persistent_cta): a CTA takes its rows in turn and the ring
+// of stages runs on across them, so that the next row's Q and first stages
+// load while the consumers finish a row and store its output.
 // The online softmax (../common/softmax.cuh) and the epilogue writer (cta.cuh) are
 // shared; a mainloop supplies its layout, loads, matrix products, fold and
 // output scaling. Host side: launch_sm90.cuh.
@@ -37,8 +41,10 @@ constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 
 // The consumers' steps 0 .. n_steps-1 of one row (see the file comment).
+// g0: the ring's step count before the row (0 unless CTAs are persistent):
+// step u of the row uses stage (g0 + u) % kStages.
 template <class ML, class C, class Ring>
-__device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps) {
+__device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0 = 0) {
   constexpr int kHalves = ML::kHalves;
   constexpr int kStages = ML::Layout::kStages;
   const int me = c.cw, other = c.cw ^ 1;
@@ -54,9 +60,9 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   };
   // Step 0: Q.K^T alone, waited for.
   blocks(0);
-  mbar_wait(&ring.full[0], 0);
+  mbar_wait(&ring.full[g0 % kStages], (g0 / kStages) & 1);
   {
-    const uint64_t dk = c.desc_k(0);
+    const uint64_t dk = c.desc_k(g0 % kStages);
     turn_begin(me);
     c.issue_qk(dk);
     wgmma_commit();
@@ -69,8 +75,8 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
   }
   for (int u = 1; u < n_steps; ++u) {
-    const int s = u % kStages, sp = (u - 1) % kStages;
-    mbar_wait(&ring.full[s], (u / kStages) & 1);
+    const int g = g0 + u, s = g % kStages, sp = (g - 1) % kStages;
+    mbar_wait(&ring.full[s], (g / kStages) & 1);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     blocks(u);
     turn_begin(me);
@@ -103,7 +109,7 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
     ap1 = ac1;
   }
   // The last turn: P.V of the last step.
-  const int sp = (n_steps - 1) % kStages;
+  const int sp = (g0 + n_steps - 1) % kStages;
   const uint64_t dv = c.desc_v(sp);
   turn_begin(me);
   c.issue_pv(dv, pa);
@@ -115,14 +121,109 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   c.after_last_pv(ap0, ap1);
 }
 
+// Shared memory of the persistent kernel: the mainloop's layout, its barriers
+// followed by qempty (and a second Q barrier), and a second Q buffer after
+// them where it fits (kQBufs = 2: row i's Q loads while row i-1 runs and
+// stores its output through the other buffer; 1: row i's Q loads once row
+// i-1 has stored its output, after row i's first stages).
+template <class L>
+struct PersistLayout {
+  static constexpr int kBarBytes = (2 * L::kStages + 4) * 8;  // full, empty, qfull[2], qempty[2]
+  static constexpr int kQ2 = (L::kBar + kBarBytes + 1023) / 1024 * 1024;
+  static constexpr int kQBufs = (kQ2 + L::kQBytes + 1024 <= 227 * 1024) ? 2 : 1;
+  static constexpr int kAlloc = (kQBufs == 2 ? kQ2 + L::kQBytes : L::kBar + kBarBytes) + 1024;
+};
+
+// The persistent CTA (dense work of the 16-bit mainloops): the rows of
+// attn::persistent_row in turn, the ring of K/V stages running on across rows
+// so that the producer loads the next row's Q and first stages while the
+// consumers finish a row and store its output.
 template <class ML>
-__global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+__device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p, uint8_t* smem_raw) {
+  using L = typename ML::Layout;
+  using PL = PersistLayout<L>;
+  constexpr int kStages = L::kStages, kHalves = ML::kHalves, kQBufs = PL::kQBufs;
+  const SmemRing<kStages> ring(smem_raw, L::kBar);
+  uint64_t* qfull = ring.qbar;  // [2]
+  uint64_t* qempty = ring.qbar + 2;  // [2]: the 256 consumer threads, once a row's output has left the buffer
+  auto qbuf = [&](int i) { return ring.base + (i == 0 ? L::kQ : PL::kQ2); };
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&ring.full[s], 1);
+      mbar_init(&ring.empty[s], 256);
+    }
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&qfull[i], 1);
+      mbar_init(&qempty[i], 256);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    regs_dealloc<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    int g = 0, i = 0;  // the ring's steps so far; this CTA's rows so far
+    for (int k = 0;; ++k) {
+      const int row = attn::persistent_row(p, blockIdx.x, gridDim.x, k);
+      if (row == -1) break;
+      if (row < 0) continue;
+      const RowWork w(p, row);
+      const int n = w.steps<kHalves>(), qi = i % kQBufs;
+      auto stage = [&](int u) {
+        const int gg = g + u, s = gg % kStages;
+        if (gg >= kStages) mbar_wait(&ring.empty[s], ((gg / kStages) - 1) & 1);
+        int kbh[kHalves];
+#pragma unroll
+        for (int hh = 0; hh < kHalves; ++hh) {
+          const int kb = w.block<kHalves>(u, hh);
+          kbh[hh] = kb >= 0 ? kb : w.block<kHalves>(u, 0);  // as load_stage in attn_sm90_kernel
+        }
+        mbar_arrive_expect_tx(&ring.full[s], L::kKStage + L::kVStage);
+        uint8_t* sk = ring.base + L::kK + s * L::kKStage;
+        uint8_t* sv = ring.base + L::kV + s * L::kVStage;
+#pragma unroll
+        for (int hh = 0; hh < kHalves; ++hh) ML::load_block(maps, p, w, sk, sv, &ring.full[s], hh, kbh[hh]);
+      };
+      // One Q buffer: the row's first stages before its Q, which waits for
+      // the previous row's output to leave the buffer.
+      const int pre = (kQBufs == 1 && i > 0) ? (n < kStages ? n : kStages) : 0;
+      for (int u = 0; u < pre; ++u) stage(u);
+      if (i >= kQBufs) mbar_wait(&qempty[qi], ((i / kQBufs) - 1) & 1);
+      ML::load_q_to(maps, p, w, qbuf(qi), &qfull[qi]);
+      for (int u = pre; u < n; ++u) stage(u);
+      g += n;
+      ++i;
+    }
+    return;
+  }
+
+  regs_alloc<kConsumerRegs>();
+  const int tid = threadIdx.x - 128 * wg;
+  int g = 0, i = 0;
+  for (int k = 0;; ++k) {
+    const int row = attn::persistent_row(p, blockIdx.x, gridDim.x, k);
+    if (row == -1) break;
+    if (row < 0) continue;
+    const RowWork w(p, row);
+    const int n = w.steps<kHalves>(), qi = i % kQBufs;
+    typename ML::Consumer c(p, wg - 1, tid, w, ring.base, qbuf(qi));
+    mbar_wait(&qfull[qi], (i / kQBufs) & 1);
+    if (n > 0) consume<ML>(c, w, ring, n, g);
+    c.epilogue(maps, ring.base, tid);
+    mbar_arrive(&qempty[qi]);
+    g += n;
+    ++i;
+  }
+}
+
+// One CTA per mask row (blockIdx.x indexes the work order).
+template <class ML>
+__device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8_t* smem_raw) {
   using L = typename ML::Layout;
   constexpr int kStages = L::kStages, kHalves = ML::kHalves;
   static_assert(kHalves <= kListReadAhead, "the first step reads more list entries than the scheduler defines");
-  extern __shared__ uint8_t smem_raw[];
   const SmemRing<kStages> ring(smem_raw, L::kBar);
   const RowWork w(p);
   const int n_steps = w.steps<kHalves>();
@@ -158,6 +259,19 @@ __global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_con
   mbar_wait(ring.qbar, 0);
   if (n_steps > 0) consume<ML>(c, w, ring, n_steps);
   c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
+}
+
+// kPersist: dense work on persistent CTAs (persistent_cta; the grid is at
+// most one CTA per SM); else one CTA per mask row (row_cta).
+template <class ML, bool kPersist>
+__global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  extern __shared__ uint8_t smem_raw[];
+  if constexpr (kPersist)
+    persistent_cta<ML>(maps, p, smem_raw);
+  else
+    row_cta<ML>(maps, p, smem_raw);
 #else
   __trap();  // built for another architecture: the registry must not offer this
 #endif

@@ -25,6 +25,7 @@ struct Sm90Launch {
   Maps maps;
   Params p;
   unsigned grid;
+  int persist;  // attn_sm90_kernel<ML, true>: dense work on `grid` persistent CTAs
 };
 static_assert(sizeof(Sm90Launch) <= sizeof(LaunchBlob), "the launch blob holds the sm_90a launch");
 static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is plain data");
@@ -49,6 +50,7 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   *applies = true;
   using L = typename ML::Layout;
   static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
+  static_assert(!ML::kPersistOK || PersistLayout<L>::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
   Sm90Launch* s = reinterpret_cast<Sm90Launch*>(blob->bytes);  // plain data in a 64-byte aligned blob
   *s = Sm90Launch{};
   const Problem& pb = a.prob;
@@ -108,8 +110,22 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   if (ML::kTmaStore && tma_store_from_env() &&
       make_map_bhld16(enc, &m.o, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
     p.tma_store = 1;
+  // Dense work of the 16-bit mainloops on persistent CTAs (kernel.cuh), where
+  // the rows are short and many: a CTA's start and end (barriers, Q and the
+  // first stage; the output) then overlap its previous and next rows.
+  if constexpr (ML::kPersistOK) {
+    if (a.idx == nullptr && a.sm_count > 0 && use_persistent(pb, a.sm_count)) {
+      const int64_t units = pb.causal ? pb.B * pb.Hq * ((pb.nQB + 1) / 2) : pb.B * pb.Hq * pb.nQB;
+      s->persist = 1;
+      s->grid = static_cast<unsigned>(units < a.sm_count ? units : a.sm_count);
+      SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&attn_sm90_kernel<ML, true>),
+                                  int(PersistLayout<L>::kAlloc), pb.device_id));
+      return SPARGE_OK;
+    }
+  }
   // Once per kernel and device (cuda/common/launch.cuh); setup runs on the plan's device.
-  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&attn_sm90_kernel<ML>), int(L::kAlloc), pb.device_id));
+  SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&attn_sm90_kernel<ML, false>), int(L::kAlloc),
+                              pb.device_id));
   return SPARGE_OK;
 }
 
@@ -117,7 +133,16 @@ template <class ML>
 sparge_status_t run(const LaunchBlob& blob, cudaStream_t stream) {
   const Sm90Launch& s = *reinterpret_cast<const Sm90Launch*>(blob.bytes);
   if (s.grid == 0) return SPARGE_OK;
-  SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML>, dim3(s.grid), dim3(kThreads), size_t(ML::Layout::kAlloc), stream, s.maps, s.p),
+  if constexpr (ML::kPersistOK) {
+    if (s.persist) {
+      SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, true>, dim3(s.grid), dim3(kThreads),
+                                  size_t(PersistLayout<typename ML::Layout>::kAlloc), stream, s.maps, s.p),
+                       "attn_sm90_kernel (persistent)");
+      return SPARGE_OK;
+    }
+  }
+  SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, false>, dim3(s.grid), dim3(kThreads), size_t(ML::Layout::kAlloc),
+                              stream, s.maps, s.p),
                    "attn_sm90_kernel");
   return SPARGE_OK;
 }

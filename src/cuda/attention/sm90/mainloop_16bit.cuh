@@ -52,6 +52,8 @@ struct Mainloop16 {
   static constexpr bool kI2fp = kI8 && Dk == 64 && !kCausal;
   static constexpr int kPoly = 0;
   static constexpr bool kMaxUnderPV = true;
+  // Dense work may run on persistent CTAs (kernel.cuh: persistent_cta).
+  static constexpr bool kPersistOK = !kI8;
 
   // Shared memory. Every 16-bit operand tile is stored as column blocks of 64
   // elements (128 bytes per row, 128B swizzle, as TMA writes it):
@@ -89,10 +91,14 @@ struct Mainloop16 {
   using SM = OnlineSoftmax<kHalves, kCausal, kI8, Pack16<T>, kI2fp, kPoly>;
   static constexpr int KS = SM::KS;
 
-  __device__ __forceinline__ static void load_q(const Maps& m, const Params&, const RowWork& w, uint8_t* base,
+  __device__ __forceinline__ static void load_q(const Maps& m, const Params& p, const RowWork& w, uint8_t* base,
                                                 uint64_t* bar) {
+    load_q_to(m, p, w, base + Layout::kQ, bar);
+  }
+  // The row's Q tile into the Q buffer at sq (persistent CTAs alternate two).
+  __device__ __forceinline__ static void load_q_to(const Maps& m, const Params&, const RowWork& w, uint8_t* sq,
+                                                   uint64_t* bar) {
     mbar_arrive_expect_tx(bar, Layout::kQBytes);
-    uint8_t* sq = base + Layout::kQ;
     if constexpr (kI8) {
 #pragma unroll
       for (int cb = 0; cb < Layout::kCols8; ++cb)
@@ -142,7 +148,10 @@ struct Mainloop16 {
     float o[NO];
 
     __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base)
-        : Base(p_, cw_, tid, w), sq(base + Layout::kQ), sk(base + Layout::kK), sv(base + Layout::kV) {
+        : Consumer(p_, cw_, tid, w, base, base + Layout::kQ) {}
+    // Q read from (and, FP16, the output staged in) the Q buffer at sq_.
+    __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base, uint8_t* sq_)
+        : Base(p_, cw_, tid, w), sq(sq_), sk(base + Layout::kK), sv(base + Layout::kV) {
       // This warpgroup's 64 rows of Q (first column block).
       desc_q = make_smem_desc(sq + cw * 64 * (kI8 ? Layout::kW8 : 128), kSwzQK, kSboQK);
 #pragma unroll

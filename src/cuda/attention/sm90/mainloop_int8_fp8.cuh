@@ -48,6 +48,7 @@ struct MainloopInt8Fp8 {
   // The row max of step u under P.V(u-1): yes, except causal Dk = 128, where
   // the longer live ranges make ptxas spill (H200 A/B: +9 % there).
   static constexpr bool kMaxUnderPV = !(kCausal && Dk == 128);
+  static constexpr bool kPersistOK = false;  // one CTA per row (kernel.cuh)
 
   // A stage holds kHalves K tiles (64 x Dk int8, stacked: one kKeys-row
   // operand) and as many V^T tiles (Dk x 64 fp8, one after the other), times

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "core/problem.hpp"
 #include "sparge/sparge.h"
 
 namespace sparge {
@@ -36,6 +37,11 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 // stores from registers, a developer switch for A/B runs, read once); else
 // the TMA store through shared memory where a kernel has room for it.
 bool tma_store_from_env();
+
+// Whether the dense work of a 16-bit sm_90a kernel runs on persistent CTAs
+// (kernel.cuh): SPARGE_SM90_PERSIST=0 / 1 decides where set; else rows many
+// and short (docs/PERF-NOTES.md v50).
+bool use_persistent(const Problem& pb, int sm_count);
 
 }  // namespace sm90
 }  // namespace cuda
