@@ -106,6 +106,14 @@ struct OnlineSoftmax {
         row1(qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
         wg_row_min(qb * 128 + cw * 64),
         diag(p_.Lkv - p_.Lq) {}
+  // A fresh state for query block qb (persistent CTAs: the next row).
+  __device__ __forceinline__ void reset(int qb, int cw, int tid) {
+    row0 = qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2);
+    row1 = row0 + 8;
+    wg_row_min = qb * 128 + cw * 64;
+    m0 = m1 = -INFINITY;
+    l0 = l1 = 0.f;
+  }
 
   struct StepScale {
     float f0[kHalves], f1[kHalves];
@@ -270,8 +278,9 @@ struct OnlineSoftmax {
 template <class SM, bool kI8>
 struct ConsumerBase {
   const Params& p;
-  const int cw, b, h, bhkv;
-  const int64_t qrow;  // index of row0 in the per-token arrays (q_scale, q_mu)
+  const int cw;
+  int b, h, bhkv;
+  int64_t qrow;  // index of row0 in the per-token arrays (q_scale, q_mu)
   SM sm;
 
   __device__ __forceinline__ ConsumerBase(const Params& p_, int cw_, int tid, const RowWork& w)
@@ -282,6 +291,18 @@ struct ConsumerBase {
         bhkv(w.bhkv),
         qrow(int64_t(w.bh) * p_.nQB * 128 + w.qb * 128 + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
         sm(p_, w.qb, cw_, tid) {
+    load_qscale();
+  }
+  // The next row of a persistent CTA: its indices and a fresh softmax state.
+  __device__ __forceinline__ void retarget(const RowWork& w, int tid) {
+    b = w.b;
+    h = w.h;
+    bhkv = w.bhkv;
+    qrow = int64_t(w.bh) * p.nQB * 128 + w.qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2);
+    sm.reset(w.qb, cw, tid);
+    load_qscale();
+  }
+  __device__ __forceinline__ void load_qscale() {
     if constexpr (kI8) {
       sm.qs0 = p.q_scale[qrow] * p.scale_log2;
       sm.qs1 = p.q_scale[qrow + 8] * p.scale_log2;

@@ -121,6 +121,134 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   c.after_last_pv(ap0, ap1);
 }
 
+// The consumers of a persistent CTA with two Q buffers: one software pipeline
+// across the CTA's rows. The first step of a row is issued in the same turn
+// as the last P.V of the row before (its Q already loaded into the other
+// buffer), and the finished row's epilogue runs while the other warpgroup has
+// its turn; so neither the row's first Q.K^T nor its last P.V is waited for
+// alone. Non-causal kernels only (every row has a step): measured on an H100
+// (PERF-NOTES v50), it gains on non-causal rows and loses on causal ones,
+// which keep one row at a time.
+template <class ML, class Ring, class QBuf>
+__device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p, const Ring& ring, uint64_t* qfull,
+                                               uint64_t* qempty, QBuf qbuf, int tid) {
+  constexpr int kHalves = ML::kHalves;
+  constexpr int kStages = ML::Layout::kStages;
+  const int cw = threadIdx.x / 128 - 1, me = cw, other = cw ^ 1;
+  int k = 0;
+  // The CTA's next row (past the slots without one); -1 past the last.
+  auto next_row = [&]() -> int {
+    for (;;) {
+      const int r = attn::persistent_row(p, blockIdx.x, gridDim.x, k++);
+      if (r != -2) return r;
+    }
+  };
+  int row = next_row();
+  if (row < 0) return;
+  RowWork w(p, row);
+  int n = w.steps<kHalves>();
+  typename ML::Consumer c(p, cw, tid, w, ring.base, qbuf(0));
+  if (me == 1) turn_end(0);  // warpgroup 0 goes first
+  uint32_t pa[ML::KS][4];
+  float ap0, ap1, ac0, ac1;
+  int kb[kHalves];
+  float ksc[kHalves];
+  auto blocks = [&](const RowWork& ww, int u) {
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) kb[hh] = ww.block<kHalves>(u, hh);
+    c.load_kscale(kb, ksc);
+  };
+  // The first row's step 0: Q.K^T alone.
+  blocks(w, 0);
+  mbar_wait(&qfull[0], 0);
+  mbar_wait(&ring.full[0], 0);
+  {
+    turn_begin(me);
+    c.issue_qk(c.desc_k(0));
+    wgmma_commit();
+    turn_end(other);
+    wgmma_wait<0>();
+    fence_regs(c.s);
+  }
+  {
+    const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
+    c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
+  }
+  int g = 1, u = 1, i = 0;  // the ring's next step, the row's next step, the row's index in the CTA
+  for (;;) {
+    int next = -1;
+    if (u == n) {
+      next = next_row();
+      if (next < 0) break;
+    }
+    const bool boundary = next >= 0;
+    const int s = g % kStages, sp = (g - 1) % kStages;
+    uint64_t dq = c.desc_q;
+    if (boundary) {
+      blocks(RowWork(p, next), 0);
+      mbar_wait(&qfull[(i + 1) & 1], ((i + 1) >> 1) & 1);
+      dq = c.q_desc_at(qbuf((i + 1) & 1));
+    } else {
+      blocks(w, u);
+    }
+    mbar_wait(&ring.full[s], (g / kStages) & 1);
+    const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+    turn_begin(me);
+    c.issue_qk(dk, dq);
+    wgmma_commit();
+    c.issue_pv(dv, pa);
+    wgmma_commit();
+    turn_end(other);
+    if (!boundary) {
+      wgmma_wait<1>();  // Q.K^T done
+      fence_regs(c.s);
+      const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
+      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+        wgmma_wait<0>();  // P.V done
+        c.fence_pv();
+        fence_regs(pa);
+        mbar_arrive(&ring.empty[sp]);
+        c.after_pv(ap0, ap1, ac0, ac1);
+      });
+      ap0 = ac0;
+      ap1 = ac1;
+      ++u;
+    } else {
+      // The row's last P.V and the next row's first Q.K^T are done: the row's
+      // output leaves through its Q buffer, then the state starts afresh.
+      wgmma_wait<0>();
+      fence_regs(c.s);
+      c.fence_pv();
+      fence_regs(pa);
+      mbar_arrive(&ring.empty[sp]);
+      c.after_last_pv(ap0, ap1);
+      c.epilogue(maps, ring.base, tid);
+      mbar_arrive(&qempty[i & 1]);
+      ++i;
+      w = RowWork(p, next);
+      n = w.steps<kHalves>();
+      c.retarget(w, tid, qbuf(i & 1));
+      const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
+      c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
+      u = 1;
+    }
+    ++g;
+  }
+  // The last row's last P.V.
+  const int sp = (g - 1) % kStages;
+  const uint64_t dv = c.desc_v(sp);
+  turn_begin(me);
+  c.issue_pv(dv, pa);
+  wgmma_commit();
+  if (me == 0) turn_end(other);  // balances the initial arrive
+  wgmma_wait<0>();
+  c.fence_pv();
+  mbar_arrive(&ring.empty[sp]);
+  c.after_last_pv(ap0, ap1);
+  c.epilogue(maps, ring.base, tid);
+  mbar_arrive(&qempty[i & 1]);
+}
+
 // Shared memory of the persistent kernel: the mainloop's layout, its barriers
 // followed by qempty (and a second Q barrier), and a second Q buffer after
 // them where it fits (kQBufs = 2: row i's Q loads while row i-1 runs and
@@ -201,6 +329,10 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
 
   regs_alloc<kConsumerRegs>();
   const int tid = threadIdx.x - 128 * wg;
+  if constexpr (kQBufs == 2 && !ML::kCausalC) {
+    consume_stream<ML>(maps, p, ring, qfull, qempty, qbuf, tid);
+    return;
+  }
   int g = 0, i = 0;
   for (int k = 0;; ++k) {
     const int row = attn::persistent_row(p, blockIdx.x, gridDim.x, k);

@@ -152,8 +152,20 @@ struct Mainloop16 {
     // Q read from (and, FP16, the output staged in) the Q buffer at sq_.
     __device__ Consumer(const Params& p_, int cw_, int tid, const RowWork& w, uint8_t* base, uint8_t* sq_)
         : Base(p_, cw_, tid, w), sq(sq_), sk(base + Layout::kK), sv(base + Layout::kV) {
-      // This warpgroup's 64 rows of Q (first column block).
-      desc_q = make_smem_desc(sq + cw * 64 * (kI8 ? Layout::kW8 : 128), kSwzQK, kSboQK);
+      desc_q = q_desc_at(sq);
+#pragma unroll
+      for (int j = 0; j < NO; ++j) o[j] = 0.f;
+    }
+    // This warpgroup's 64 rows of the Q buffer at q (first column block).
+    __device__ __forceinline__ uint64_t q_desc_at(const uint8_t* q) const {
+      return make_smem_desc(q + cw * 64 * (kI8 ? Layout::kW8 : 128), kSwzQK, kSboQK);
+    }
+    // The next row of a persistent CTA, its Q in the buffer at sq_ (after
+    // the epilogue of the row before: O starts again from 0).
+    __device__ __forceinline__ void retarget(const RowWork& w, int tid, uint8_t* sq_) {
+      Base::retarget(w, tid);
+      sq = sq_;
+      desc_q = q_desc_at(sq_);
 #pragma unroll
       for (int j = 0; j < NO; ++j) o[j] = 0.f;
     }
@@ -167,21 +179,22 @@ struct Mainloop16 {
     // S = Q K^T over Dk: 16-bit k-steps of 16 (32 bytes inside a 128-byte
     // column block); int8 k-steps of 32 (32 bytes inside a W-byte column
     // block). Caller fences before and commits after.
-    __device__ __forceinline__ void issue_qk(uint64_t dk) {
+    __device__ __forceinline__ void issue_qk(uint64_t dk) { issue_qk(dk, desc_q); }
+    __device__ __forceinline__ void issue_qk(uint64_t dk, uint64_t dq) {
       if constexpr (kI8) {
         constexpr int kPerCol = Layout::kW8 / 32;
 #pragma unroll
         for (int kk = 0; kk < Dk / 32; ++kk) {
           const uint32_t qoff = (kk / kPerCol) * Layout::kQCol8 + (kk % kPerCol) * 32;
           const uint32_t koff = (kk / kPerCol) * Layout::kKCol8 + (kk % kPerCol) * 32;
-          wgmma_s8_ss<kKeys>(s, desc_q + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
+          wgmma_s8_ss<kKeys>(s, dq + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
         }
       } else {
 #pragma unroll
         for (int kk = 0; kk < Dk / 16; ++kk) {
           const uint32_t qoff = (kk / 4) * Layout::kQCol + (kk % 4) * 32;
           const uint32_t koff = (kk / 4) * Layout::kKVCol + (kk % 4) * 32;
-          Mma::template ss_m64nNk16<kKeys>(s, desc_q + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
+          Mma::template ss_m64nNk16<kKeys>(s, dq + uint64_t(qoff >> 4), dk + uint64_t(koff >> 4), kk > 0);
         }
       }
     }

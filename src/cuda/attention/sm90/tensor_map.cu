@@ -82,16 +82,17 @@ bool use_persistent(const Problem& pb, int sm_count) {
   const int sw = dev_switches().persist;
   if (sw >= 0) return sw == 1;
   // Measured (PERF-NOTES v50): causal calls gain from the balanced pairs of
-  // rows once there is about one pair per SM (1x32x1K-4K x128: -9 ... -24 %),
-  // at D = 128 (one Q buffer) only while the rows are few or short; non-causal
-  // calls only at D = 64 with many short rows (-2 ... -4 %).
+  // rows when the units fill the SMs' last wave to >= 90 % (1x32x1K-4K x128:
+  // -9 ... -24 %), at D = 128 (one Q buffer) only while the rows are short or
+  // the units few; non-causal calls at D = 64 with many rows of <= 4K keys,
+  // where the consumers pipeline across rows (-4 ... -8 %).
   const int64_t rows = pb.B * pb.Hq * pb.nQB, sms = sm_count;
-  const bool d64 = gpu_kernel_head_dim(pb.D) == 64, short_rows = pb.nKB <= 32;
+  const bool d64 = gpu_kernel_head_dim(pb.D) == 64;
   if (pb.causal) {
-    const int64_t units = rows / pb.nQB * ((pb.nQB + 1) / 2);
-    return 8 * units >= 7 * sms && (d64 || short_rows || units <= 4 * sms);
+    const int64_t units = rows / pb.nQB * ((pb.nQB + 1) / 2), waves = (units + sms - 1) / sms;
+    return 10 * units >= 9 * waves * sms && (d64 || pb.nKB <= 32 || units <= 4 * sms);
   }
-  return d64 && short_rows && rows >= 2 * sms;
+  return d64 && pb.nKB <= 64 && rows >= 2 * sms;
 }
 
 }  // namespace sm90
