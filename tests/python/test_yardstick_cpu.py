@@ -90,6 +90,32 @@ def test_split2_rule_matches_the_library(rng, causal):
     assert differs > 0  # the split rule is not the single pooled row's
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_adaptive_split_spans_keys_lse_and_split2(rng, causal):
+    # blocks of two clusters (split by any tau > 0.5 or so) and blocks of one (kept whole by tau < 0.9)
+    cap = _random_capture(rng, 2, 1, 900, 32, causal)
+    centres = rng.standard_normal((2, 8, 2, 32)) * 1.5
+    lab = rng.integers(0, 2, size=(2, 900)) * (np.arange(900) // 128 % 2 == 0)
+    blk = np.arange(900) // 128
+    cap.q[...] = centres[np.arange(2)[:, None], blk[None, :], lab] + 0.3 * rng.standard_normal((2, 900, 32))
+    for st in (Y.Setting(topk=0.3), Y.Setting(topk=None, cdf=0.8)):
+        for h in range(2):
+            lse = Y.select(Y.ESTIMATORS["keys_lse"](cap, h), st, 900, 900, causal)
+            split = Y.select(Y.ESTIMATORS["keys_lse_split2"](cap, h), st, 900, 900, causal)
+            none = Y.select(Y.est_keys_lse_split2(cap, h, tau=0.0), st, 900, 900, causal)
+            every = Y.select(Y.est_keys_lse_split2(cap, h, tau=np.inf), st, 900, 900, causal)
+            some = Y.select(Y.est_keys_lse_split2(cap, h, tau=0.9), st, 900, 900, causal)
+            assert (none != lse).any(axis=-1).sum() <= 1  # near-ties only
+            assert np.array_equal(every, split)
+            # the blocks whose mean row is short follow split2, the others keys_lse
+            q = cap.q[h].astype(np.float64)
+            short = np.array([np.linalg.norm(q[i:i + 128].mean(axis=0)) < 0.9 * np.linalg.norm(q[i:i + 128], axis=1).mean()
+                              for i in range(0, 900, 128)])
+            assert short[0::2].all() and not short[1::2].any()  # the clustered (even) blocks
+            assert np.array_equal(some[short], split[short])
+            assert (some[~short] != lse[~short]).any(axis=-1).sum() <= 1
+
+
 def test_oracle_is_optimal_and_meets_counts(rng):
     cap = _random_capture(rng, 2, 1, 640, 32, True)
     for est in Y.ESTIMATORS:

@@ -387,14 +387,20 @@ def est_keys_lse_maxnorm(cap: Capture, h: int, combine: str = "mass") -> np.ndar
                                np.stack([last, last], axis=1), combine)
 
 
-def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int = 0) -> np.ndarray:
+def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int = 0,
+                        tau: float = np.inf) -> np.ndarray:
     """keys_lse with each query block split into two groups of similar rows instead of two halves:
     seeds a (the row farthest from the block mean) and b (the row farthest from a), each row to the
     nearer seed (a hyperplane split: the sign of (x - (a + b)/2) . (b - a)), then `iters` Lloyd steps
     (two-means; 0 to 4 steps measure alike on the captures); each group pooled into one row, the two
     combined by `combine` with the groups' sizes as weights (see _group_block_scores); both see the
     keys of the block's last row (causal). Twice the multiply-adds of keys_lse in the scores, plus
-    about (5 + 3 * iters) * BQ * D per block for the grouping."""
+    about (5 + 3 * iters) * BQ * D per block for the grouping.
+
+    tau: split only the query blocks whose mean row is short against their rows,
+    |mean(q)| < tau * mean(|q_i|) (rows that point apart); the others keep the one pooled row of
+    keys_lse (tau = 0: keys_lse's masks; inf: every block split). The extra multiply-adds scale
+    with the share of split blocks."""
     q = cap.q[h].astype(np.float64)
     Lq, D = q.shape
     nqb = -(-Lq // BQ)
@@ -402,6 +408,10 @@ def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int 
     weight = np.zeros((nqb, 2))
     for qb in range(nqb):
         x = q[qb * BQ:min(Lq, qb * BQ + BQ)]
+        if np.isfinite(tau) and np.linalg.norm(x.mean(axis=0)) >= tau * np.linalg.norm(x, axis=1).mean():
+            weight[qb, 0] = float(len(x))
+            rows[qb, 0] = x.mean(axis=0)
+            continue
         a = x[np.argmax(((x - x.mean(axis=0)) ** 2).sum(axis=1))]
         c = np.stack([a, x[np.argmax(((x - a) ** 2).sum(axis=1))]])
         for _ in range(iters):
@@ -433,6 +443,8 @@ ESTIMATORS = {
     # the library's SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 (the masses averaged), and its log-sum-exp variant
     "keys_lse_split2": lambda c, h: est_keys_lse_split2(c, h, "mass"),
     "keys_lse_split2_lse": lambda c, h: est_keys_lse_split2(c, h, "lse"),
+    # keys_lse_split2 on the blocks whose mean row is shorter than 0.75 of their rows' mean length only
+    "keys_lse_adaptive": lambda c, h: est_keys_lse_split2(c, h, "mass", tau=0.75),
 }
 
 
