@@ -76,19 +76,20 @@ struct RowWork {
   template <class P>
   __device__ __forceinline__ explicit RowWork(const P& p) {
     const bool dense = p.idx == nullptr;
-    row_id = dense ? dense_row(int(blockIdx.x), p.Hq, p.group, p.nQB, p.causal) : p.order[blockIdx.x];
-    bh = row_id / p.nQB;
-    qb = row_id - bh * p.nQB;
-    b = bh / p.Hq;
-    h = bh - b * p.Hq;
-    hkv = h / p.group;
-    bhkv = b * (p.Hq / p.group) + hkv;
+    set_row(p, dense ? dense_row(int(blockIdx.x), p.Hq, p.group, p.nQB, p.causal) : p.order[blockIdx.x]);
     n_tiles = dense ? dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB) : p.cnt[row_id];
     tiles = dense ? nullptr : p.idx + int64_t(row_id) * p.nKB;
   }
   // Dense work: mask row `row` (persistent CTAs, persistent_row).
   template <class P>
   __device__ __forceinline__ RowWork(const P& p, int row) {
+    set_row(p, row);
+    n_tiles = dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB);
+    tiles = nullptr;
+  }
+  // The row's indices.
+  template <class P>
+  __device__ __forceinline__ void set_row(const P& p, int row) {
     row_id = row;
     bh = row_id / p.nQB;
     qb = row_id - bh * p.nQB;
@@ -96,8 +97,6 @@ struct RowWork {
     h = bh - b * p.Hq;
     hkv = h / p.group;
     bhkv = b * (p.Hq / p.group) + hkv;
-    n_tiles = dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB);
-    tiles = nullptr;
   }
   // Steps of kHalves listed blocks.
   template <int kHalves>

@@ -40,6 +40,72 @@ constexpr int kThreads = 384;
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = 240;
 
+// The pieces of the consumers' turns, shared by consume and consume_stream.
+// A row's first Q.K^T, waited for (nothing is in flight to pair it with).
+template <class C>
+__device__ __forceinline__ void first_qk(C& c, uint64_t dk, int me, int other) {
+  turn_begin(me);
+  c.issue_qk(dk);
+  wgmma_commit();
+  turn_end(other);
+  wgmma_wait<0>();
+  fence_regs(c.s);
+}
+// Step u's turn: Q.K^T(u) (issue_qk) and P.V(u-1) from stage descriptor dv.
+template <class C, class IssueQK, class PA>
+__device__ __forceinline__ void step_turn(C& c, IssueQK issue_qk, uint64_t dv, const PA& pa, int me, int other) {
+  turn_begin(me);
+  issue_qk();
+  wgmma_commit();
+  c.issue_pv(dv, pa);
+  wgmma_commit();
+  turn_end(other);
+}
+// After step u's turn: the row max of Q.K^T(u) while P.V(u-1) runs, then the
+// exponentials; P.V(u-1)'s completion releases its stage (empty_sp) and O is
+// rescaled. ap: the previous step's rescale factors, in and out.
+template <class ML, class C, class PA, int kHalves>
+__device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], const float (&ksc)[kHalves], PA& pa,
+                                             uint64_t* empty_sp, float& ap0, float& ap1) {
+  float ac0, ac1;  // rescale factors of the current step
+  wgmma_wait<1>();  // Q.K^T(u) done
+  fence_regs(c.s);
+  const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
+  if constexpr (ML::kMaxUnderPV) {
+    // The wait sits inside the exponentials' branch arms: ptxas schedules
+    // within a basic block and would otherwise sink the row max below it.
+    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+      wgmma_wait<0>();  // P.V(u-1) done
+      c.fence_pv();
+      fence_regs(pa);
+      mbar_arrive(empty_sp);
+      c.after_pv(ap0, ap1, ac0, ac1);
+    });
+  } else {
+    wgmma_wait<0>();  // P.V(u-1) done
+    c.fence_pv();
+    fence_regs(pa);
+    mbar_arrive(empty_sp);
+    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] { c.after_pv(ap0, ap1, ac0, ac1); });
+  }
+  ap0 = ac0;
+  ap1 = ac1;
+}
+// The last turn: P.V of the last step, waited for; warpgroup 1 hands no turn
+// on, which balances the initial arrive of consume / consume_stream.
+template <class C, class PA>
+__device__ __forceinline__ void last_pv(C& c, uint64_t dv, const PA& pa, uint64_t* empty_sp, int me, int other,
+                                        float ap0, float ap1) {
+  turn_begin(me);
+  c.issue_pv(dv, pa);
+  wgmma_commit();
+  if (me == 0) turn_end(other);
+  wgmma_wait<0>();
+  c.fence_pv();
+  mbar_arrive(empty_sp);
+  c.after_last_pv(ap0, ap1);
+}
+
 // The consumers' steps 0 .. n_steps-1 of one row (see the file comment).
 // g0: the ring's step count before the row (0 unless CTAs are persistent):
 // step u of the row uses stage (g0 + u) % kStages.
@@ -50,7 +116,7 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   const int me = c.cw, other = c.cw ^ 1;
   if (me == 1) turn_end(0);  // warpgroup 0 goes first
   uint32_t pa[ML::KS][4];
-  float ap0, ap1, ac0, ac1;  // rescale factors of the previous and the current step
+  float ap0, ap1;  // rescale factors of the previous step
   int kb[kHalves];
   float ksc[kHalves];  // int8 Q.K^T: the step's K block scales
   auto blocks = [&](int u) {
@@ -61,15 +127,7 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   // Step 0: Q.K^T alone, waited for.
   blocks(0);
   mbar_wait(&ring.full[g0 % kStages], (g0 / kStages) & 1);
-  {
-    const uint64_t dk = c.desc_k(g0 % kStages);
-    turn_begin(me);
-    c.issue_qk(dk);
-    wgmma_commit();
-    turn_end(other);
-    wgmma_wait<0>();
-    fence_regs(c.s);
-  }
+  first_qk(c, c.desc_k(g0 % kStages), me, other);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
@@ -79,46 +137,11 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
     mbar_wait(&ring.full[s], (g / kStages) & 1);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     blocks(u);
-    turn_begin(me);
-    c.issue_qk(dk);
-    wgmma_commit();
-    c.issue_pv(dv, pa);
-    wgmma_commit();
-    turn_end(other);
-    wgmma_wait<1>();  // Q.K^T(u) done
-    fence_regs(c.s);
-    const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
-    if constexpr (ML::kMaxUnderPV) {
-      // The wait sits inside the exponentials' branch arms: ptxas schedules
-      // within a basic block and would otherwise sink the row max below it.
-      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
-        wgmma_wait<0>();  // P.V(u-1) done
-        c.fence_pv();
-        fence_regs(pa);
-        mbar_arrive(&ring.empty[sp]);
-        c.after_pv(ap0, ap1, ac0, ac1);
-      });
-    } else {
-      wgmma_wait<0>();  // P.V(u-1) done
-      c.fence_pv();
-      fence_regs(pa);
-      mbar_arrive(&ring.empty[sp]);
-      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] { c.after_pv(ap0, ap1, ac0, ac1); });
-    }
-    ap0 = ac0;
-    ap1 = ac1;
+    step_turn(c, [&] { c.issue_qk(dk); }, dv, pa, me, other);
+    step_softmax<ML>(c, kb, ksc, pa, &ring.empty[sp], ap0, ap1);
   }
-  // The last turn: P.V of the last step.
   const int sp = (g0 + n_steps - 1) % kStages;
-  const uint64_t dv = c.desc_v(sp);
-  turn_begin(me);
-  c.issue_pv(dv, pa);
-  wgmma_commit();
-  if (me == 0) turn_end(other);  // balances the initial arrive
-  wgmma_wait<0>();
-  c.fence_pv();
-  mbar_arrive(&ring.empty[sp]);
-  c.after_last_pv(ap0, ap1);
+  last_pv(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
 }
 
 // The consumers of a persistent CTA with two Q buffers: one software pipeline
@@ -150,7 +173,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   typename ML::Consumer c(p, cw, tid, w, ring.base, qbuf(0));
   if (me == 1) turn_end(0);  // warpgroup 0 goes first
   uint32_t pa[ML::KS][4];
-  float ap0, ap1, ac0, ac1;
+  float ap0, ap1;
   int kb[kHalves];
   float ksc[kHalves];
   auto blocks = [&](const RowWork& ww, int u) {
@@ -162,14 +185,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   blocks(w, 0);
   mbar_wait(&qfull[0], 0);
   mbar_wait(&ring.full[0], 0);
-  {
-    turn_begin(me);
-    c.issue_qk(c.desc_k(0));
-    wgmma_commit();
-    turn_end(other);
-    wgmma_wait<0>();
-    fence_regs(c.s);
-  }
+  first_qk(c, c.desc_k(0), me, other);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
@@ -193,25 +209,9 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
     }
     mbar_wait(&ring.full[s], (g / kStages) & 1);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
-    turn_begin(me);
-    c.issue_qk(dk, dq);
-    wgmma_commit();
-    c.issue_pv(dv, pa);
-    wgmma_commit();
-    turn_end(other);
+    step_turn(c, [&] { c.issue_qk(dk, dq); }, dv, pa, me, other);
     if (!boundary) {
-      wgmma_wait<1>();  // Q.K^T done
-      fence_regs(c.s);
-      const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
-      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
-        wgmma_wait<0>();  // P.V done
-        c.fence_pv();
-        fence_regs(pa);
-        mbar_arrive(&ring.empty[sp]);
-        c.after_pv(ap0, ap1, ac0, ac1);
-      });
-      ap0 = ac0;
-      ap1 = ac1;
+      step_softmax<ML>(c, kb, ksc, pa, &ring.empty[sp], ap0, ap1);
       ++u;
     } else {
       // The row's last P.V and the next row's first Q.K^T are done: the row's
@@ -236,15 +236,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   }
   // The last row's last P.V.
   const int sp = (g - 1) % kStages;
-  const uint64_t dv = c.desc_v(sp);
-  turn_begin(me);
-  c.issue_pv(dv, pa);
-  wgmma_commit();
-  if (me == 0) turn_end(other);  // balances the initial arrive
-  wgmma_wait<0>();
-  c.fence_pv();
-  mbar_arrive(&ring.empty[sp]);
-  c.after_last_pv(ap0, ap1);
+  last_pv(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
   c.epilogue(maps, ring.base, tid);
   mbar_arrive(&qempty[i & 1]);
 }
