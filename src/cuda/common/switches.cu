@@ -2,6 +2,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <algorithm>
+
 #include "cuda/common/switches.hpp"
 
 namespace sparge {
@@ -25,6 +27,7 @@ const DevSwitches& dev_switches() {
     d.graphs = !env_is("SPARGE_GRAPHS", "0");
     if (env_is("SPARGE_SM90_PERSIST", "0")) d.persist = 0;
     if (env_is("SPARGE_SM90_PERSIST", "1")) d.persist = 1;
+    if (const char* g = std::getenv("SPARGE_SM90_PERSIST_GRID")) d.persist_grid = std::max(0, std::atoi(g));
     return d;
   }();
   return s;

@@ -13,6 +13,8 @@
 //   SPARGE_SM90_PERSIST=0 / 1     dense calls of the sm_90a 16-bit kernels never / always
 //                                 run on persistent CTAs (default: where the rule of
 //                                 sm90::use_persistent says)
+//   SPARGE_SM90_PERSIST_GRID=N    at most N persistent CTAs (tests: many rows per CTA
+//                                 on small problems)
 // and one documented setting (docs/API.md), read the same way:
 //   SPARGE_KERNEL_FAMILY=portable plans choose the portable (mma.sync) family on any
 //                                 GPU, also where an architecture-specific one exists
@@ -29,7 +31,8 @@ struct DevSwitches {
   Fp16Choice fp16 = Fp16Choice::kAuto;
   bool force_portable = false;
   bool graphs = true;
-  int persist = -1;  // SPARGE_SM90_PERSIST: 0, 1, or -1 (the rule)
+  int persist = -1;      // SPARGE_SM90_PERSIST: 0, 1, or -1 (the rule)
+  int persist_grid = 0;  // SPARGE_SM90_PERSIST_GRID: the most persistent CTAs (0: one per SM)
 };
 
 const DevSwitches& dev_switches();

@@ -91,7 +91,7 @@ __device__ __forceinline__ void write_output(const Params& p, const SM& sm, int 
 // The dynamic shared memory, its base aligned to 1024 bytes (the 128B
 // swizzle pattern of TMA and wgmma repeats every 1024 bytes; the allocation
 // carries 1 KiB of slack), and the barriers at byte offset `bar`: full[kStages],
-// empty[kStages], then the Q barrier.
+// empty[kStages], then the Q barrier (persistent CTAs: qfull[2], qempty[2]).
 template <int kStages>
 struct SmemRing {
   uint8_t* base;

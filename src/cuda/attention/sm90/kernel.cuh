@@ -16,10 +16,14 @@
 //        which overwrite the P registers P.V(u-1) read. The other warpgroup
 //        has its turn meanwhile, so one's softmax overlaps the other's matrix
 //        products.
-// Dense work of the 16-bit mainloops may instead run on persistent CTAs (at
-// most one per SM, persistent_cta): a CTA takes its rows in turn and the ring
-// of stages runs on across them, so that the next row's Q and first stages
-// load while the consumers finish a row and store its output.
+// Dense work of the 16-bit FP16 mainloop may instead run on persistent CTAs
+// (at most one per SM, persistent_cta): a CTA takes its rows in turn, its
+// producer thread loads each row's Q into one of one or two Q buffers
+// (qfull / qempty barriers) and the ring of stages runs on across rows; there
+// is no producer side work (FP16 has none). With two Q buffers the next row's
+// Q loads during the current row, and the non-causal consumers pipeline
+// across rows (consume_stream); with one, it loads once the previous row's
+// output has left the buffer.
 // The online softmax (../common/softmax.cuh) and the epilogue writer (cta.cuh) are
 // shared; a mainloop supplies its layout, loads, matrix products, fold and
 // output scaling. Host side: launch_sm90.cuh.
@@ -241,11 +245,12 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   mbar_arrive(&qempty[i & 1]);
 }
 
-// Shared memory of the persistent kernel: the mainloop's layout, its barriers
-// followed by qempty (and a second Q barrier), and a second Q buffer after
-// them where it fits (kQBufs = 2: row i's Q loads while row i-1 runs and
-// stores its output through the other buffer; 1: row i's Q loads once row
-// i-1 has stored its output, after row i's first stages).
+// Shared memory of the persistent kernel: the mainloop's layout with the
+// barriers full[kStages], empty[kStages], qfull[2], qempty[2] at its barrier
+// offset, and a second Q buffer after them where it fits (kQBufs = 2: row i's
+// Q loads while row i-1 runs and stores its output through the other buffer;
+// 1: row i's Q loads once row i-1 has stored its output, after row i's first
+// stages).
 template <class L>
 struct PersistLayout {
   static constexpr int kBarBytes = (2 * L::kStages + 4) * 8;  // full, empty, qfull[2], qempty[2]
@@ -263,6 +268,9 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
   using L = typename ML::Layout;
   using PL = PersistLayout<L>;
   constexpr int kStages = L::kStages, kHalves = ML::kHalves, kQBufs = PL::kQBufs;
+  // No producer side work, no K scales (consume_stream loads a row's first
+  // step's blocks before retargeting), the row max under the P.V.
+  static_assert(ML::kPersistOK && !ML::kI8C && ML::kMaxUnderPV, "persistent CTAs: the FP16 mainloop only");
   const SmemRing<kStages> ring(smem_raw, L::kBar);
   uint64_t* qfull = ring.qbar;  // [2]
   uint64_t* qempty = ring.qbar + 2;  // [2]: the 256 consumer threads, once a row's output has left the buffer

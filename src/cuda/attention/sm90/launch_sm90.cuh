@@ -117,7 +117,8 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
     if (a.idx == nullptr && a.sm_count > 0 && use_persistent(pb, a.sm_count)) {
       const int64_t units = pb.causal ? pb.B * pb.Hq * ((pb.nQB + 1) / 2) : pb.B * pb.Hq * pb.nQB;
       s->persist = 1;
-      s->grid = static_cast<unsigned>(units < a.sm_count ? units : a.sm_count);
+      const int64_t cap = persistent_grid_cap(a.sm_count);
+      s->grid = static_cast<unsigned>(units < cap ? units : cap);
       SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&attn_sm90_kernel<ML, true>),
                                   int(PersistLayout<L>::kAlloc), pb.device_id));
       return SPARGE_OK;

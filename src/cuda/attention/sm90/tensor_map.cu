@@ -78,6 +78,11 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 
 bool tma_store_from_env() { return dev_switches().tma_store; }
 
+int persistent_grid_cap(int sm_count) {
+  const int cap = dev_switches().persist_grid;
+  return cap > 0 && cap < sm_count ? cap : sm_count;
+}
+
 bool use_persistent(const Problem& pb, int sm_count) {
   const int sw = dev_switches().persist;
   if (sw >= 0) return sw == 1;
@@ -86,8 +91,11 @@ bool use_persistent(const Problem& pb, int sm_count) {
   // -9 ... -24 %), at D = 128 (one Q buffer) only while the rows are short or
   // the units few; non-causal calls at D = 64 with many rows of <= 4K keys,
   // where the consumers pipeline across rows (-4 ... -8 %).
-  const int64_t rows = pb.B * pb.Hq * pb.nQB, sms = sm_count;
-  const bool d64 = gpu_kernel_head_dim(pb.D) == 64;
+  // Head dims 64 and 128 only: the measured ones (the D = 256 kernel spills
+  // 80 bytes per row in its persistent epilogue).
+  const int64_t rows = pb.B * pb.Hq * pb.nQB, sms = sm_count, dk = gpu_kernel_head_dim(pb.D);
+  if (dk != 64 && dk != 128) return false;
+  const bool d64 = dk == 64;
   if (pb.causal) {
     const int64_t units = rows / pb.nQB * ((pb.nQB + 1) / 2), waves = (units + sms - 1) / sms;
     return 10 * units >= 9 * waves * sms && (d64 || pb.nKB <= 32 || units <= 4 * sms);

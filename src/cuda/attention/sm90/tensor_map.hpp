@@ -42,6 +42,8 @@ bool tma_store_from_env();
 // (kernel.cuh): SPARGE_SM90_PERSIST=0 / 1 decides where set; else rows many
 // and short (docs/PERF-NOTES.md v50).
 bool use_persistent(const Problem& pb, int sm_count);
+// The most persistent CTAs: sm_count, or fewer where SPARGE_SM90_PERSIST_GRID says.
+int persistent_grid_cap(int sm_count);
 
 }  // namespace sm90
 }  // namespace cuda
