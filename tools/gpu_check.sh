@@ -16,7 +16,8 @@
 #             process of their own; the KEYS_LSE tests on the portable (mma.sync)
 #             block-score kernel
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck, initcheck on the [sanitize]
-#             subset of the GPU tests (small shapes)
+#             subset of the GPU tests (small shapes); synccheck, racecheck, memcheck on its
+#             attention cases with every dense FP16 call on at most 3 persistent CTAs
 #   bench     sparge_bench (all workloads) and tools/bench/anchors.py (torch SDPA
 #             cuDNN / FLASH_ATTENTION, ceilings, accuracy vs float32 SDPA, side by side)
 #   grid      tools/bench/grid.py: the benchmark grid (B x N x D x causal) through the Python API,
@@ -41,6 +42,7 @@
 #   GPU_CHECK_FP16AB (1; 0 skips the portable FP16-mode kernel A/B in bench)
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
+#   GPU_CHECK_PERSIST (1; 0 skips the attention tests with every dense FP16 call on 3 persistent CTAs)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
 #   GRID_ARGS (extra tools/bench/grid.py arguments, e.g. --sparse --pred)
 #   GRID_LIMIT_S (330: the grid stage's time limit; grid.py gets 30 s less as its --budget-s)
@@ -53,7 +55,7 @@ set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # Kernel choice is set per stage below, never inherited.
-unset SPARGE_FP16_KERNEL SPARGE_SM90_EPILOGUE SPARGE_PDL
+unset SPARGE_FP16_KERNEL SPARGE_SM90_EPILOGUE SPARGE_PDL SPARGE_SM90_PERSIST SPARGE_SM90_PERSIST_GRID
 ROOT=$PWD
 BUILD=${BUILD_DIR:-build-gpu}
 OUTDIR=${OUT:-$ROOT/gpu_check_out}
@@ -199,6 +201,14 @@ if want test; then
       rc=$?
       ((rc != 0 && rc != 77)) && fails+=("direct epilogue rc=$rc")
     fi
+    # Every dense FP16 call on persistent CTAs, at most 3 of them (many rows per
+    # CTA on the small shapes: the row boundaries and both Q buffers).
+    if [ "${GPU_CHECK_PERSIST:-1}" != 0 ]; then
+      run_to "$LOG/test.log" "$(allow 120)" env SPARGE_SM90_PERSIST=1 SPARGE_SM90_PERSIST_GRID=3 SPARGE_FP16_KERNEL=sm90 \
+        "$GPU_TESTS" '[attention]~[large]' -r compact
+      rc=$?
+      ((rc != 0 && rc != 77)) && fails+=("persistent rc=$rc")
+    fi
     acc=$(grep -c '^ACC .* FAIL$' "$LOG/test.log")
     tot=$(grep -c '^ACC ' "$LOG/test.log")
     summary_line=$(grep -E '^(test cases|All tests passed|Failed)' "$LOG/test.log" | tail -n 2 | tr '\n' ' ')
@@ -237,6 +247,22 @@ if want sanitize; then
         99) res+=("$tool ERRORS") ;;
         124 | 137) res+=("$tool timeout") ;;
         *) res+=("$tool rc=$rc") ;;
+      esac
+    done
+    # The persistent FP16 path (see the test stage) under the tools that check
+    # its barriers and shared memory.
+    for tool in synccheck racecheck memcheck; do
+      extra=()
+      [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+      run_to "$LOG/sanitize.log" "$(allow 150)" env SPARGE_SM90_PERSIST=1 SPARGE_SM90_PERSIST_GRID=3 SPARGE_FP16_KERNEL=sm90 \
+        compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 "${extra[@]}" "$GPU_TESTS" \
+        '[attention][sanitize]' -r compact
+      rc=$?
+      case $rc in
+        0) res+=("persistent $tool ok") ;;
+        99) res+=("persistent $tool ERRORS") ;;
+        124 | 137) res+=("persistent $tool timeout") ;;
+        *) res+=("persistent $tool rc=$rc") ;;
       esac
     done
     st=ok
