@@ -230,40 +230,35 @@ if want sanitize; then
     note sanitize skip 0 "compute-sanitizer not found"
   else
     res=()
+    # One compute-sanitizer run: sanitize LABEL TOOL LIMIT FILTER [env assignments...];
+    # its outcome is appended to res.
+    sanitize() {
+      local label=$1 tool=$2 lim=$3 filter=$4 extra=() rc
+      shift 4
+      [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+      run_to "$LOG/sanitize.log" "$(allow "$lim")" env SPARGE_FP16_KERNEL=sm90 "$@" compute-sanitizer --tool "$tool" \
+        --error-exitcode 99 --print-limit 50 "${extra[@]}" "$GPU_TESTS" "$filter" -r compact
+      rc=$?
+      case $rc in
+        0) res+=("$label ok") ;;
+        99) res+=("$label ERRORS") ;;
+        124 | 137) res+=("$label timeout") ;;
+        *) res+=("$label rc=$rc") ;;
+      esac
+    }
     for tool in memcheck racecheck synccheck initcheck; do
       filter='[sanitize]'
       [ "$tool" != memcheck ] && filter='[sanitize]~[errors]'
-      extra=()
-      [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
       # racecheck's run time varies a lot between runs (17 s to over 150 s for the
       # same binary on the H200: it instruments every mbarrier poll), so it gets more.
       lim=150
       [ "$tool" = racecheck ] && lim=300
-      run_to "$LOG/sanitize.log" "$(allow $lim)" env SPARGE_FP16_KERNEL=sm90 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-        --print-limit 50 "${extra[@]}" "$GPU_TESTS" "$filter" -r compact
-      rc=$?
-      case $rc in
-        0) res+=("$tool ok") ;;
-        99) res+=("$tool ERRORS") ;;
-        124 | 137) res+=("$tool timeout") ;;
-        *) res+=("$tool rc=$rc") ;;
-      esac
+      sanitize "$tool" "$tool" $lim "$filter"
     done
     # The persistent FP16 path (see the test stage) under the tools that check
     # its barriers and shared memory.
     for tool in synccheck racecheck memcheck; do
-      extra=()
-      [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
-      run_to "$LOG/sanitize.log" "$(allow 150)" env SPARGE_SM90_PERSIST=1 SPARGE_SM90_PERSIST_GRID=3 SPARGE_FP16_KERNEL=sm90 \
-        compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 "${extra[@]}" "$GPU_TESTS" \
-        '[attention][sanitize]' -r compact
-      rc=$?
-      case $rc in
-        0) res+=("persistent $tool ok") ;;
-        99) res+=("persistent $tool ERRORS") ;;
-        124 | 137) res+=("persistent $tool timeout") ;;
-        *) res+=("persistent $tool rc=$rc") ;;
-      esac
+      sanitize "persistent $tool" "$tool" 150 '[attention][sanitize]' SPARGE_SM90_PERSIST=1 SPARGE_SM90_PERSIST_GRID=3
     done
     st=ok
     [[ "${res[*]}" == *ERRORS* || "${res[*]}" == *rc=* || "${res[*]}" == *timeout* ]] && st=FAIL
