@@ -81,12 +81,13 @@ def tables(data):
                 cap["capture"], t, old["pred_density"], old["pred_rel_l1"], old["ratio_l1"], new["pred_density"],
                 new["pred_rel_l1"], new["oracle_rel_l1"], new["ratio_l1"], lse["pred_rel_l1"], lse["ratio_l1"], zero))
     out += ["", "| capture | top-k | mean | keys_lse | pooled Q vs keys, max | 4 sampled rows | antidiagonal, stride 8 "
-            "| keys_lse_split2 | mean, top-p 0.9 (density) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "| keys_lse_split2 | keys_lse_adaptive | mean, top-p 0.9 (density) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for cap in data:
         s, w = Y.default_sink(cap["causal"]), Y.default_window(cap["causal"])
         for t in (0.2, 0.5):
             cells = []
-            for est in ("mean", "keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2"):
+            for est in ("mean", "keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2", "keys_lse_adaptive"):
                 r = _find(cap, est, t, s, w) if est == "mean" else _find(cap, est, t, None, None)
                 cells.append("%.2f×" % r["ratio_l1"] if r else "—")
             r = _find(cap, "mean", t, None, None, 0.9)

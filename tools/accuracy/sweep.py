@@ -29,7 +29,7 @@ def settings(causal: bool, full: bool):
     for t in dens:
         for s, w in sw:
             out.append(Y.Setting(topk=t, sink=s, window=w, estimator="mean"))
-    for est in ["keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2"]:
+    for est in ["keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2", "keys_lse_adaptive"]:
         for t in dens if est == "keys_lse" else [0.2, 0.5]:
             out.append(Y.Setting(topk=t, sink=None, window=None, estimator=est))
     for t in [0.2, 0.5]:
