@@ -153,6 +153,11 @@ SPARGE_HD int32_t dense_row(int32_t i, int32_t Hq, int32_t group, int32_t nQB, i
   const int32_t qb = causal ? nQB - 1 - qr : qr;
   return (b * Hq + hkv * group + hh) * nQB + qb;
 }
+// The work units of a dense call on persistent CTAs (cuda/attention/common/work.cuh,
+// persistent_row): its rows, or with causality pairs of one head's query blocks nQB-1-r and r.
+SPARGE_HD int64_t persistent_units(int64_t rows, int64_t nQB, int causal) {
+  return causal ? rows / nQB * ((nQB + 1) / 2) : rows;
+}
 // visible_key_blocks for 128-row query blocks and 64-key blocks, in 32-bit arithmetic
 // (Lq, Lkv < 2^30).
 SPARGE_HD int32_t dense_blocks(int32_t qb, int causal, int32_t Lq, int32_t Lkv, int32_t nKB) {

@@ -110,12 +110,11 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   if (ML::kTmaStore && tma_store_from_env() &&
       make_map_bhld16(enc, &m.o, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
     p.tma_store = 1;
-  // Dense work of the 16-bit mainloops on persistent CTAs (kernel.cuh), where
-  // the rows are short and many: a CTA's start and end (barriers, Q and the
-  // first stage; the output) then overlap its previous and next rows.
+  // Dense work of the FP16 mainloop on persistent CTAs (kernel.cuh) where
+  // use_persistent's measured rule says so: at most one CTA per SM.
   if constexpr (ML::kPersistOK) {
     if (a.idx == nullptr && a.sm_count > 0 && use_persistent(pb, a.sm_count)) {
-      const int64_t units = pb.causal ? pb.B * pb.Hq * ((pb.nQB + 1) / 2) : pb.B * pb.Hq * pb.nQB;
+      const int64_t units = persistent_units(pb.B * pb.Hq * pb.nQB, pb.nQB, pb.causal);
       s->persist = 1;
       const int64_t cap = persistent_grid_cap(a.sm_count);
       s->grid = static_cast<unsigned>(units < cap ? units : cap);

@@ -97,7 +97,7 @@ bool use_persistent(const Problem& pb, int sm_count) {
   if (dk != 64 && dk != 128) return false;
   const bool d64 = dk == 64;
   if (pb.causal) {
-    const int64_t units = rows / pb.nQB * ((pb.nQB + 1) / 2), waves = (units + sms - 1) / sms;
+    const int64_t units = persistent_units(rows, pb.nQB, 1), waves = (units + sms - 1) / sms;
     return 10 * units >= 9 * waves * sms && (d64 || pb.nKB <= 32 || units <= 4 * sms);
   }
   return d64 && pb.nKB <= 64 && rows >= 2 * sms;
