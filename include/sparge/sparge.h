@@ -112,9 +112,12 @@ typedef enum sparge_select_mode {
 typedef enum sparge_estimator {
   SPARGE_ESTIMATOR_MEAN = 0,       /* softmax of scale * mean(q block) . mean(k' block) (SpargeAttn) */
   SPARGE_ESTIMATOR_KEYS_LSE = 1,   /* softmax of log sum_{j in block} exp(scale * mean(q block) . k_j) */
-  SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 = 2 /* KEYS_LSE for two groups of similar rows per query block, their
+  SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 = 2, /* KEYS_LSE for two groups of similar rows per query block, their
                                           block distributions averaged by group size (about twice the
                                           prediction cost of KEYS_LSE) */
+  SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE = 3 /* KEYS_LSE_SPLIT2 on the query blocks whose rows point apart
+                                            and form two coherent groups, KEYS_LSE on the others (the
+                                            cost follows the share of split blocks) */
 } sparge_estimator_t;
 
 /* ------------------------------------------------------------------ tensors */

@@ -304,10 +304,10 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
     return fail(INV, "params->local_window is %d, expected -1 (default of the mode), 0 (off) or 1..1024",
                 int(window));
   if (estimator != SPARGE_ESTIMATOR_MEAN && estimator != SPARGE_ESTIMATOR_KEYS_LSE &&
-      estimator != SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2)
+      estimator != SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 && estimator != SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE)
     return fail(INV,
-                "params->estimator is %d, expected SPARGE_ESTIMATOR_MEAN (0), SPARGE_ESTIMATOR_KEYS_LSE (1) or "
-                "SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 (2)",
+                "params->estimator is %d, expected SPARGE_ESTIMATOR_MEAN (0), SPARGE_ESTIMATOR_KEYS_LSE (1), "
+                "SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 (2) or SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE (3)",
                 int(estimator));
   const int32_t mode = raw_enum(in.mode);
   if (mode != SPARGE_SELECT_TOPK && mode != SPARGE_SELECT_CDF)

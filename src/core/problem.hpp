@@ -246,6 +246,8 @@ struct WorkspaceLayout {
   size_t col_tick = 0;  // uint64 [B*Hkv]           tickets of the column statistics (no initialization needed)
   size_t split_q = 0;   // float [B*Hq, nQB, 2, D]   KEYS_LSE_SPLIT2: the two groups' mean rows
   size_t split_n = 0;   // float [B*Hq, nQB, 2]      KEYS_LSE_SPLIT2: the groups' sizes
+  size_t split_rows = 0;  // int32 [B*Hkv, group*nQB*2] KEYS_LSE_ADAPTIVE: the pooled rows to score, in order
+  size_t split_cnt = 0;   // int32 [B*Hkv]             KEYS_LSE_ADAPTIVE: their number
                         // (and idx holds the second group's block scores until the selection)
 };
 

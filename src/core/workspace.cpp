@@ -56,6 +56,8 @@ WorkspaceLayout plan_workspace(const Problem& p) {
     w.col_tick = a.take({B, Hkv, sizeof(uint64_t)});
     w.split_q = a.take({B, Hq, nQB, 2, D, f});
     w.split_n = a.take({B, Hq, nQB, 2, f});
+    w.split_rows = a.take({B, Hq, nQB, 2, i32});
+    w.split_cnt = a.take({B, Hkv, i32});
     if (p.quantized()) {
       w.q_i8 = a.take({B, Hq, nQB, kGpuBlockQ, D});
       w.k_i8 = a.take({B, Hkv, nKB, kGpuBlockK, D});

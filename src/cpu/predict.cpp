@@ -89,9 +89,11 @@ double keys_lse_row(const float* q, int64_t D, sparge_dtype_t dt, double* out) {
 // prediction", step 3), in float64: seed a is the row farthest from the rows' mean, seed b the row
 // farthest from a (the lowest index on equal distances); a row joins b when it is strictly nearer
 // to b than to a. Writes each group's mean rounded to float32 (zeros for an empty group) and its
-// number of rows.
-void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, float* mean_a, float* mean_b, int64_t* na,
-                 int64_t* nb) {
+// number of rows. adaptive (KEYS_LSE_ADAPTIVE): the rows stay one group (a) unless their mean is
+// short, |mean| < 0.75 l (l: the rows' mean length), and the two groups are coherent,
+// (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l.
+void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptive, float* mean_a, float* mean_b,
+                 int64_t* na, int64_t* nb) {
   const int64_t n = r1 - r0;
   std::vector<double> mu(size_t(D), 0.0), sa(size_t(D), 0.0), sb(size_t(D), 0.0);
   for (int64_t r = r0; r < r1; ++r)
@@ -114,6 +116,22 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, float* mean_
     }
     return best;
   };
+  // the float64 length of a vector: the square root of the sum of squares in column order
+  auto length = [&](auto&& v) {
+    double s = 0.0;
+    for (int64_t c = 0; c < D; ++c) s += v(c) * v(c);
+    return std::sqrt(s);
+  };
+  auto one_group = [&] {
+    for (int64_t c = 0; c < D; ++c) mean_a[c] = float(mu[size_t(c)]), mean_b[c] = 0.0f;
+    *na = n, *nb = 0;
+  };
+  double ell = 0.0;  // the rows' mean length (sum in row order, / n)
+  if (adaptive) {
+    for (int64_t r = r0; r < r1; ++r) ell += std::sqrt(d2(r, [](int64_t) { return 0.0; }));
+    ell /= double(n);
+    if (!(length([&](int64_t c) { return mu[size_t(c)]; }) < 0.75 * ell)) return one_group();
+  }
   const int64_t a = farthest([&](int64_t c) { return mu[size_t(c)]; });
   auto row_a = [&](int64_t c) { return double(x[a * D + c]); };
   const int64_t b = farthest(row_a);
@@ -126,9 +144,16 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, float* mean_
     ++(to_b ? cb : ca);
   }
   for (int64_t c = 0; c < D; ++c) {
-    mean_a[c] = ca ? float(sa[size_t(c)] / double(ca)) : 0.0f;
-    mean_b[c] = cb ? float(sb[size_t(c)] / double(cb)) : 0.0f;
+    sa[size_t(c)] = ca ? sa[size_t(c)] / double(ca) : 0.0;  // the groups' float64 means
+    sb[size_t(c)] = cb ? sb[size_t(c)] / double(cb) : 0.0;
   }
+  if (adaptive) {
+    const double coh = (double(ca) * length([&](int64_t c) { return sa[size_t(c)]; }) +
+                        double(cb) * length([&](int64_t c) { return sb[size_t(c)]; })) /
+                       double(n);
+    if (!(coh >= 0.3 * ell)) return one_group();
+  }
+  for (int64_t c = 0; c < D; ++c) mean_a[c] = float(sa[size_t(c)]), mean_b[c] = float(sb[size_t(c)]);
   *na = ca, *nb = cb;
 }
 
@@ -171,7 +196,8 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
     const int64_t bhk = b * p.Hkv + h / p.group();
     std::vector<float> qh, kraw;
     load_head(q, b, h, qh);
-    const bool split2 = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+    const bool adaptive = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
+    const bool split2 = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 || adaptive;
     const bool keys_lse = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE;
     // raw keys (a shift of K moves a row's scores alike)
     if (keys_lse || split2) load_head(k, b, h / p.group(), kraw);
@@ -233,7 +259,7 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           // then keeps every visible block, as for KEYS_LSE).
           const int64_t r0 = qb * p.BQ, r1 = std::min(p.Lq, r0 + p.BQ);
           int64_t ng[2];
-          split2_rows(qh.data(), D, r0, r1, grow[0].data(), grow[1].data(), &ng[0], &ng[1]);
+          split2_rows(qh.data(), D, r0, r1, adaptive, grow[0].data(), grow[1].data(), &ng[0], &ng[1]);
           for (int g = 0; g < 2; ++g) {
             if (ng[g] == 0) continue;
             const double kfac = double(p.scale) * keys_lse_row(grow[g].data(), D, k.dtype, qr.data());

@@ -851,6 +851,69 @@ TEST_CASE("estimator KEYS_LSE_SPLIT2 on blocks of equal rows ranks as KEYS_LSE",
   }
 }
 
+// KEYS_LSE_ADAPTIVE (docs/SEMANTICS.md, "Mask prediction"): a query block is split as by
+// KEYS_LSE_SPLIT2 only where its mean row is short (|mean| < 0.75 of the rows' mean length) and the
+// two groups are coherent (their size-weighted mean lengths >= 0.3 of it); elsewhere it ranks as
+// KEYS_LSE. Three kinds of blocks, each far from both thresholds: rows near one direction (mean
+// ~ as long as the rows: one group), two clusters 120 degrees apart (mean about half as long,
+// groups coherent: split), independent normal rows (mean ~ 1/8, groups ~ 1/5 of the rows' length:
+// one group).
+TEST_CASE("estimator KEYS_LSE_ADAPTIVE splits only the blocks of two coherent groups", "[cpu][predict][keys_lse]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t Lq = 64 * 12, Lkv = 1000, D = 64, H = 3;
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    Pred p = make_pred(1, H, 1, Lq, Lkv, D, 64, 64, causal, rng);
+    std::vector<int> kind(size_t(H * p.nQB));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t qb = 0; qb < p.nQB; ++qb) {
+        const int k = int((h + qb) % 3);
+        kind[size_t(h * p.nQB + qb)] = k;
+        std::vector<float> c1(static_cast<size_t>(D)), cp(static_cast<size_t>(D));
+        for (int64_t d = 0; d < D; ++d) c1[size_t(d)] = 0.4f * nd(rng), cp[size_t(d)] = 0.4f * nd(rng);
+        for (int64_t i = qb * 64; i < qb * 64 + 64; ++i) {
+          const bool second = (i - qb * 64) % 2 == 1;  // equal halves, interleaved
+          for (int64_t d = 0; d < D; ++d) {
+            const float c2 = -0.5f * c1[size_t(d)] + 0.866f * cp[size_t(d)];
+            const float x = k == 0   ? c1[size_t(d)] + 0.05f * nd(rng)
+                            : k == 1 ? (second ? c2 : c1[size_t(d)]) + 0.05f * nd(rng)
+                                     : nd(rng);
+            p.q.set(0, h, i, d, x);
+          }
+        }
+      }
+    Plan plan(p.prob);
+    std::vector<uint8_t> m[3];
+    const sparge_estimator_t est[3] = {SPARGE_ESTIMATOR_KEYS_LSE, SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2,
+                                       SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE};
+    for (int e = 0; e < 3; ++e) {
+      sparge_predict_params_t params = bare_topk(0.3f, est[e]);
+      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+      check_masks_binary_and_kept(p);
+      m[e] = p.mask.snapshot();
+    }
+    auto same = [&](int e, int64_t row) {
+      return std::equal(m[e].begin() + row * p.nKB, m[e].begin() + (row + 1) * p.nKB, m[2].begin() + row * p.nKB);
+    };
+    int64_t off_lse = 0, off_split = 0, split_differs = 0;
+    for (int64_t row = 0; row < H * p.nQB; ++row) {
+      if (visible(p, row % p.nQB) == 0) continue;
+      if (kind[size_t(row)] == 1) {
+        off_split += !same(1, row);
+        split_differs += !same(0, row);
+      } else {
+        off_lse += !same(0, row);  // one group: KEYS_LSE's ranking, but for near-ties of the normalized scores
+      }
+    }
+    CHECK(off_split == 0);  // the same groups and the same arithmetic as KEYS_LSE_SPLIT2
+    CHECK(off_lse <= 1);
+    CHECK(split_differs > 0);  // the split blocks are not ranked by the single pooled row
+  }
+}
+
 // ---------------------------------------------------------------- KEYS_LSE on 16-bit keys
 // The pooled query row enters the per-key scores rounded once to the keys' 16-bit type (fp16 rows
 // scaled by a power of two first), the single term the CUDA kernel multiplies on the tensor cores
