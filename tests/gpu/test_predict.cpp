@@ -264,11 +264,13 @@ void run_predict_attention(const PredCase& c) {
     if (prec == SPARGE_PRECISION_FP16 && c.s.D == 256 && fp16_plans_portable())
       continue;  // the portable FP16-mode kernel has head dims 64, 96 and 128 (test_errors.cpp)
     for (sparge_estimator_t est :
-         {SPARGE_ESTIMATOR_MEAN, SPARGE_ESTIMATOR_KEYS_LSE, SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2}) {
+         {SPARGE_ESTIMATOR_MEAN, SPARGE_ESTIMATOR_KEYS_LSE, SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2,
+          SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE}) {
       const std::string label = std::string(c.name) + " " + precision_name(prec) + " predicted" +
-                                (est == SPARGE_ESTIMATOR_MEAN       ? " mean"
-                                 : est == SPARGE_ESTIMATOR_KEYS_LSE ? " keys_lse"
-                                                                    : " keys_lse_split2");
+                                (est == SPARGE_ESTIMATOR_MEAN              ? " mean"
+                                 : est == SPARGE_ESTIMATOR_KEYS_LSE        ? " keys_lse"
+                                 : est == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 ? " keys_lse_split2"
+                                                                           : " keys_lse_adaptive");
       INFO(label << " [" << c.s.str() << "]");
       try {
         sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
@@ -689,7 +691,10 @@ TEST_CASE("predict, estimator KEYS_LSE: CUDA vs CPU predictor, long causal rows"
 // nearer-seed split), each group's float32 mean rounded as KEYS_LSE rounds the pooled row, its
 // per-block log-sum-exp over the keys the block's last row sees, normalized over the visible
 // blocks, and the log of the size-weighted mean of the two distributions.
-static std::vector<double> split2_ref_scores(const Inputs& in, int64_t h, int64_t qb, sparge_dtype_t dt) {
+// adaptive (KEYS_LSE_ADAPTIVE): one group of every row unless |mean| < 0.75 l (l: the rows' mean
+// length) and the two groups' size-weighted mean lengths reach 0.3 l.
+static std::vector<double> split2_ref_scores(const Inputs& in, int64_t h, int64_t qb, sparge_dtype_t dt,
+                                             bool adaptive = false) {
   const Shape& s = in.s;
   const int64_t D = s.D, r0 = qb * 128, r1 = std::min(s.Lq, r0 + 128), n = r1 - r0, hk = h / s.group();
   auto x = [&](int64_t i, int64_t c) { return double(in.q.val[in.q.lidx(0, h, i, c)]); };
@@ -717,6 +722,22 @@ static std::vector<double> split2_ref_scores(const Inputs& in, int64_t h, int64_
     const int g = d2(i, [&](int64_t c) { return x(b, c); }) < d2(i, [&](int64_t c) { return x(a, c); }) ? 1 : 0;
     for (int64_t c = 0; c < D; ++c) sum[g][size_t(c)] += x(i, c);
     ++ng[g];
+  }
+  if (adaptive) {
+    auto len = [&](auto&& v) {
+      double t = 0.0;
+      for (int64_t c = 0; c < D; ++c) t += v(c) * v(c);
+      return std::sqrt(t);
+    };
+    double ell = 0.0;
+    for (int64_t i = r0; i < r1; ++i) ell += std::sqrt(d2(i, [](int64_t) { return 0.0; })) / double(n);
+    double coh = 0.0;
+    for (int g = 0; g < 2; ++g)
+      if (ng[g]) coh += len([&](int64_t c) { return sum[g][size_t(c)] / double(ng[g]); }) * double(ng[g]) / double(n);
+    if (!(len([&](int64_t c) { return mu[size_t(c)]; }) < 0.75 * ell && coh >= 0.3 * ell)) {
+      for (int64_t c = 0; c < D; ++c) sum[0][size_t(c)] += sum[1][size_t(c)], sum[1][size_t(c)] = 0.0;
+      ng[0] = n, ng[1] = 0;
+    }
   }
   const int64_t last_key = s.causal ? std::min(s.Lkv - 1, r1 - 1 + s.Lkv - s.Lq) : s.Lkv - 1;
   const int64_t vis = last_key < 0 ? 0 : last_key / 64 + 1;
@@ -758,7 +779,9 @@ static std::vector<double> split2_ref_scores(const Inputs& in, int64_t h, int64_
 // same order), so only the float32 block scores (tensor-core accumulation, ex2/lg2.approx) and the
 // order of the float64 sums of the combination differ. clusters: every query block's rows drawn
 // around two centres (each row picks one), the inputs the estimator exists for.
-static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters) {
+static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters,
+                             sparge_estimator_t est = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2) {
+  const bool adaptive = est == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
   for (const PredCase& c : cases) {
     const uint64_t seed = case_seed(std::string(c.name) + (clusters ? "-clusters" : ""));
     Inputs in = make_inputs(c.s, c.layout, c.dtype, c.outliers, seed);
@@ -784,8 +807,8 @@ static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters) 
     for (float topk : {0.1f, 0.3f}) {
       sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
       prm.topk = topk;
-      prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
-      INFO(c.name << (clusters ? " clusters" : "") << " topk " << topk << " [" << c.s.str() << "] seed " << seed);
+      prm.estimator = est;
+      INFO(c.name << (clusters ? " clusters" : "") << (adaptive ? " adaptive" : "") << " topk " << topk << " [" << c.s.str() << "] seed " << seed);
       // (INT8_FP8 plans have head dims up to 128)
       const sparge_precision_t prec = c.s.D > 128 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_INT8_FP8;
       const PredictResult g = gpu_predict(in, din, prec, prm, nullptr, false, stream.get());
@@ -800,7 +823,7 @@ static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters) 
           ++rows;
           const size_t row = size_t((h * nQB + qb) * nKB);
           if (std::memcmp(&g.mask[row], &cp.mask[row], size_t(nKB)) == 0) continue;
-          const std::vector<double> sc = split2_ref_scores(in, h, qb, c.dtype);
+          const std::vector<double> sc = split2_ref_scores(in, h, qb, c.dtype, adaptive);
           double mag = 0.0;
           for (double t : sc) mag = std::max(mag, std::fabs(t));
           (scores_near_tie(sc, 1e-4 * (1.0 + mag)) ? ties : bad) += 1;
@@ -819,6 +842,28 @@ TEST_CASE("predict, estimator KEYS_LSE_SPLIT2: CUDA vs CPU predictor", "[gpu][pr
   };
   run_split2_cases(cases, false);
   run_split2_cases(cases, true);
+}
+
+// KEYS_LSE_ADAPTIVE: random rows keep one group per block (the row lists hold group a only); the
+// clusters (centres drawn independently: the mean row about 0.7 of the rows' length) split some
+// blocks and not others, so the lists mix both.
+TEST_CASE("predict, estimator KEYS_LSE_ADAPTIVE: CUDA vs CPU predictor", "[gpu][predict][keys_lse][split2][sanitize]") {
+  const std::vector<PredCase> cases = {
+      {"adaptive-causal-gqa", shp(1, 4, 2, 1000, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, true},
+      {"adaptive-cross", shp(1, 2, 2, 300, 1100, 64, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false},
+      {"adaptive-Lq-gt-Lkv", shp(1, 2, 1, 700, 333, 64, true), Layout::HND_PAD, SPARGE_DTYPE_BFLOAT16, false},
+  };
+  run_split2_cases(cases, false, SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE);
+  run_split2_cases(cases, true, SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE);
+}
+
+TEST_CASE("predict, estimator KEYS_LSE_ADAPTIVE: CUDA vs CPU predictor, larger shapes", "[gpu][predict][keys_lse][split2]") {
+  const std::vector<PredCase> cases = {
+      {"adaptive-L8192-causal-gqa", shp(2, 8, 2, 8192, 8192, 64, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false},
+      {"adaptive-L4096-d128", shp(1, 4, 4, 4096, 4096, 128, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false},
+      {"adaptive-L700-d256", shp(1, 2, 1, 700, 700, 256, false), Layout::HND, SPARGE_DTYPE_BFLOAT16, false},
+  };
+  run_split2_cases(cases, true, SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE);
 }
 
 TEST_CASE("predict, estimator KEYS_LSE_SPLIT2: CUDA vs CPU predictor, larger shapes", "[gpu][predict][keys_lse][split2]") {

@@ -50,6 +50,7 @@ struct Options {
   int64_t batch = 1, heads = 32, kv_heads = 0;  // kv_heads 0: = heads
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
+  float q_split = -1.0f;  // < 0: independent normal Q rows
   sparge_estimator_t estimator = SPARGE_ESTIMATOR_KEYS_LSE;
   int warmup = 3, min_iters = 10, max_iters = 100;
   double target_ms = 250;
@@ -89,7 +90,9 @@ void usage() {
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
       "  --kv-heads H      K/V heads (default: --heads; GQA when fewer, a divisor of --heads)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
-      "  --estimator E     keys_lse (default), keys_lse_split2 or mean\n"
+      "  --estimator E     keys_lse (default), keys_lse_split2, keys_lse_adaptive or mean\n"
+      "  --q-split S       Q with 128-row block structure: one cluster per block, two in a share S\n"
+      "                    of the blocks (0..1; default: independent normal rows)\n"
       "  --lse             also write the LSE output\n"
       "  --warmup N (3)  --min-iters N (10)  --max-iters N (100)  --target-ms T (250)\n"
       "  --quick           N=8K, D=128, non-causal, warmup 1, 3..5 iterations\n"
@@ -129,6 +132,8 @@ bool parse(int argc, char** argv, Options& o) {
     } else if (a == "--dtype") {
       const std::string t = next();
       o.dtype = t == "fp16" ? SPARGE_DTYPE_FLOAT16 : SPARGE_DTYPE_BFLOAT16;
+    } else if (a == "--q-split") {
+      o.q_split = static_cast<float>(std::atof(next().c_str()));
     } else if (a == "--topk") {
       o.topk = static_cast<float>(std::atof(next().c_str()));
     } else if (a == "--estimator") {
@@ -137,10 +142,12 @@ bool parse(int argc, char** argv, Options& o) {
         o.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
       } else if (e == "keys_lse_split2") {
         o.estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+      } else if (e == "keys_lse_adaptive") {
+        o.estimator = SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
       } else if (e == "mean") {
         o.estimator = SPARGE_ESTIMATOR_MEAN;
       } else {
-        std::fprintf(stderr, "--estimator: keys_lse, keys_lse_split2 or mean, got %s\n", e.c_str());
+        std::fprintf(stderr, "--estimator: keys_lse, keys_lse_split2, keys_lse_adaptive or mean, got %s\n", e.c_str());
         return false;
       }
     } else if (a == "--lse") {
@@ -299,8 +306,10 @@ int main(int argc, char** argv) {
               static_cast<long long>(o.batch), static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
               o.dtype == SPARGE_DTYPE_FLOAT16 ? "fp16" : "bf16", o.topk,
               o.estimator == SPARGE_ESTIMATOR_KEYS_LSE          ? "keys_lse"
-              : o.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 ? "keys_lse_split2"
-                                                                : "mean");
+              : o.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2   ? "keys_lse_split2"
+              : o.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE ? "keys_lse_adaptive"
+                                                                  : "mean");
+  if (o.q_split >= 0.f) std::printf("# Q: 128-row blocks of one cluster, two in a share %.2f of them\n\n", o.q_split);
   std::fflush(stdout);
 
   cudaStream_t stream;
@@ -325,7 +334,10 @@ int main(int argc, char** argv) {
         for (int i = 0; i < nsets; ++i) {
           qs.emplace_back(elems * 2), ks.emplace_back(elems_kv * 2), vs.emplace_back(elems_kv * 2);
           const uint64_t seed = mix64(static_cast<uint64_t>(N * 1000 + D * 10 + causal) ^ (i * 0x1234567ull));
-          CK(bench_fill_normal(static_cast<uint16_t*>(qs.back().p), elems, seed ^ 1, 1.0f, fp16, stream));
+          if (o.q_split >= 0.f)
+            CK(bench_fill_blocks(static_cast<uint16_t*>(qs.back().p), elems, N, D, o.q_split, seed ^ 1, fp16, stream));
+          else
+            CK(bench_fill_normal(static_cast<uint16_t*>(qs.back().p), elems, seed ^ 1, 1.0f, fp16, stream));
           CK(bench_fill_normal(static_cast<uint16_t*>(ks.back().p), elems_kv, seed ^ 2, 1.0f, fp16, stream));
           CK(bench_fill_normal(static_cast<uint16_t*>(vs.back().p), elems_kv, seed ^ 3, 1.0f, fp16, stream));
         }

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
   const Problem& p = a.prob;
   const ks::CtaWork cw(a, kRows);
   if (cw.ntiles == 0) return;  // uniform
-  const uint32_t b = cw.b, hk = cw.hk, g = cw.g;
+  const uint32_t b = cw.b, hk = cw.hk;
   const int64_t row0 = cw.row0, t_begin = cw.t_begin;
   const int ntiles = cw.ntiles;
 
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
     if (mt > 0) mvis[mt] = max(mvis[mt], mvis[mt - 1]);
   }
   const int64_t wfirst = row0 + 16 * MT * warp;
-  const int32_t kmin = wfirst < a.rows ? ks::row_last_key(p, ks::row_qblock(a, wfirst, g)) : -1;
+  const int32_t kmin = wfirst < cw.nrows ? ks::row_last_key(p, cw.qblock(a, wfirst)) : -1;
 
   const uint32_t smem0 = smem_u32(ks_smem);
   const Loader<DK, T> ld(a, b, hk);
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(KsTraits<DK>::kThreads, KsTraits<DK>::kMinBloc
 }  // namespace
 
 sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream,
-                                  const KeptRef* kept, bool* kept_zeroed, bool split2) {
+                                  const KeptRef* kept, bool* kept_zeroed, sparge_estimator_t est) {
   if (kept_zeroed) *kept_zeroed = false;
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
@@ -236,12 +236,17 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
   ks::Args ka;
   ka.prob = p;
   ka.k = k;
+  const bool split2 = grouped_estimator(est);
   ka.sub = split2 ? 2 : 1;
   ka.pooled_q = ws_ptr<float>(base, split2 ? L.split_q : L.pooled_q);
   ka.scores = ws_ptr<float>(base, L.scores);
   ka.scores2 = split2 ? ws_ptr<float>(base, L.idx) : nullptr;  // int32 lists later: the same size
   ka.rows = p.group() * p.nQB * ka.sub;
   ka.kept = kept ? *kept : KeptRef{nullptr, 0, 0};
+  if (est == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE) {  // the grid is sized for every row; CTAs past a list exit
+    ka.list = ws_ptr<int32_t>(base, L.split_rows);
+    ka.list_n = ws_ptr<int32_t>(base, L.split_cnt);
+  }
   // The grid for the smallest CTA (64 rows) is checked once for both kernels.
   const int64_t key_ctas = ceil_div(p.nKB, kTiles);
   if (p.B * p.Hkv * key_ctas <= 0 || ka.rows <= 0) return SPARGE_OK;

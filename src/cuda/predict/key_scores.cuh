@@ -34,6 +34,10 @@ struct Args {
   uint32_t row_ctas, key_ctas;
   uint32_t tiles;         // key tiles per CTA (key_ctas = ceil(nKB / tiles))
   KeptRef kept;           // data != null: the kept counters [B, Hq], reset by CTA 0 (the selection adds to them)
+  // KEYS_LSE_ADAPTIVE: the pooled rows each kv head scores, ascending ([B*Hkv][rows], list_n[bhk] of
+  // them; rows past it exit); nullptr: every row 0 .. rows - 1.
+  const int32_t* list = nullptr;
+  const int32_t* list_n = nullptr;
 };
 
 // CTA 0 resets the kept counters (after pdl_grid_sync: every earlier kernel of the stream is done
@@ -61,6 +65,8 @@ __device__ __forceinline__ int32_t row_last_key(const Problem& p, int64_t qb) {
 struct CtaWork {
   uint32_t b, hk, g;
   int64_t row0, t_begin;
+  int64_t nrows;        // the kv head's rows (Args::rows, or its list's length)
+  const int32_t* list;  // the kv head's row list (nullptr: row r is row r)
   int ntiles;  // 0: nothing to do (uniform)
   // rows_per_cta: kRows (mma.sync kernel) or 64 per warpgroup (wgmma kernel).
   __device__ __forceinline__ CtaWork(const Args& a, int rows_per_cta) {
@@ -70,17 +76,24 @@ struct CtaWork {
     const uint32_t Hkv = uint32_t(p.Hkv);
     g = uint32_t(p.Hq / p.Hkv);
     b = bhk / Hkv, hk = bhk % Hkv;
+    list = a.list ? a.list + int64_t(bhk) * a.rows : nullptr;
+    nrows = a.list ? int64_t(a.list_n[bhk]) : a.rows;
     row0 = int64_t(rc) * rows_per_cta;
-    const int64_t row_last = min(a.rows, row0 + rows_per_cta) - 1;
-    const int64_t vis = visible_key_blocks(p, row_qblock(a, row_last, g));
+    const int64_t row_last = min(nrows, row0 + rows_per_cta) - 1;
     t_begin = int64_t(kc) * a.tiles;
+    ntiles = 0;
+    if (row_last < row0) return;  // past the list
+    const int64_t vis = visible_key_blocks(p, qblock(a, row_last));
     const int64_t t_end = min(vis, t_begin + int64_t(a.tiles));
     ntiles = t_begin < t_end ? int(t_end - t_begin) : 0;
   }
+  // The kv head's pooled row index of the CTA's row r (< nrows) and its query block.
+  __device__ __forceinline__ int64_t orig(int64_t r) const { return list ? int64_t(list[r]) : r; }
+  __device__ __forceinline__ int64_t qblock(const Args& a, int64_t r) const { return row_qblock(a, orig(r), g); }
   // Key blocks visible to the last of rows [first, first + n) that exist (0 if none does).
   __device__ __forceinline__ int64_t extent(const Args& a, int64_t first, int n) const {
-    const int64_t lastr = min(a.rows, first + n) - 1;
-    return lastr < first ? 0 : visible_key_blocks(a.prob, row_qblock(a, lastr, g));
+    const int64_t lastr = min(nrows, first + n) - 1;
+    return lastr < first ? 0 : visible_key_blocks(a.prob, qblock(a, lastr));
   }
   // Pooled row `row` of the CTA's kv head (pooled row s = (row / g) % sub of query block
   // row / g / sub of query head hk g + row % g): its float32 values (nullptr past the rows: a
@@ -94,8 +107,9 @@ struct CtaWork {
   template <int DK>
   __device__ __forceinline__ Row row(const Args& a, int64_t r) const {
     Row o{nullptr, nullptr, -1};
-    if (r < a.rows) {
+    if (r < nrows) {
       const Problem& p = a.prob;
+      r = orig(r);
       const int64_t qs = r / g, qb = qs / a.sub, h = int64_t(hk) * g + r % g, bh = int64_t(b) * p.Hq + h;
       o.pq = a.pooled_q + ((bh * p.nQB + qb) * a.sub + qs % a.sub) * DK;
       o.out = (qs % a.sub == 0 ? a.scores : a.scores2) + (bh * p.nQB + qb) * p.nKB;

@@ -18,21 +18,31 @@ sparge_status_t predict_supported(const Problem& p);
 // Estimator KEYS_LSE: block scores from the pooled queries (already in the workspace) and every
 // key of k, into the workspace's score region; launch_select then skips its pooled-score kernel.
 // kept (optional): counters the kernel also resets; *kept_zeroed says whether it did.
-// split2: KEYS_LSE_SPLIT2, the two group rows of every query block (launch_split2_group's) instead
-// of the pooled row, the second group's scores into the index-list region.
+// est KEYS_LSE_SPLIT2: the two group rows of every query block (launch_split2_group's) instead of
+// the pooled row, the second group's scores into the index-list region; KEYS_LSE_ADAPTIVE: the same
+// rows, but only those of launch_split2_group's row lists (the second row of a block that keeps one
+// group is not scored).
 sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, cudaStream_t stream,
-                                  const KeptRef* kept = nullptr, bool* kept_zeroed = nullptr, bool split2 = false);
+                                  const KeptRef* kept = nullptr, bool* kept_zeroed = nullptr,
+                                  sparge_estimator_t est = SPARGE_ESTIMATOR_KEYS_LSE);
 
-// Estimator KEYS_LSE_SPLIT2 (split2.cu): the grouping of every query block of q into two groups and
-// their mean rows and sizes (before launch_key_scores), and the combination of the two groups'
-// block scores into the score region (after it).
-sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream);
+// Estimators KEYS_LSE_SPLIT2 and KEYS_LSE_ADAPTIVE (split2.cu): the grouping of every query block of
+// q into two groups (adaptive: one where its rows do not form two coherent groups) and their mean
+// rows and sizes, and for adaptive the list of rows to score per kv head (before
+// launch_key_scores); the combination of the two groups' block scores into the score region
+// (after it).
+sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream,
+                                    bool adaptive);
 sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream);
 
-// Estimators whose block scores the preparation writes (launch_key_scores): KEYS_LSE, KEYS_LSE_SPLIT2.
-inline bool keys_estimator(sparge_estimator_t e) {
-  return e == SPARGE_ESTIMATOR_KEYS_LSE || e == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+// Estimators with two group rows per query block (split2.cu).
+inline bool grouped_estimator(sparge_estimator_t e) {
+  return e == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 || e == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
 }
+
+// Estimators whose block scores the preparation writes (launch_key_scores): KEYS_LSE and the
+// grouped ones.
+inline bool keys_estimator(sparge_estimator_t e) { return e == SPARGE_ESTIMATOR_KEYS_LSE || grouped_estimator(e); }
 
 }  // namespace cuda
 }  // namespace sparge

@@ -1,10 +1,14 @@
-// Estimator KEYS_LSE_SPLIT2 on CUDA (docs/SEMANTICS.md, "Mask prediction", step 3; pipeline and
-// costs: docs/PREDICTION.md). Three launches after the preparation's passes:
+// Estimators KEYS_LSE_SPLIT2 and KEYS_LSE_ADAPTIVE on CUDA (docs/SEMANTICS.md, "Mask prediction",
+// step 3; pipeline and costs: docs/PREDICTION.md). Three launches after the preparation's passes
+// (four with KEYS_LSE_ADAPTIVE):
 //   1. split2_group_kernel: per 128-row query block, the two groups of similar rows and their float32
 //      mean rows and sizes, in float64 with the CPU reference's operations in its order (column sums
 //      in row order, squared distances in column order, no fused multiply-adds), so that groups and
-//      means equal the CPU backend's bit for bit;
-//   2. the KEYS_LSE block-score kernels on both mean rows of every query block (ks::Args::sub = 2),
+//      means equal the CPU backend's bit for bit; KEYS_LSE_ADAPTIVE keeps one group (every row, the
+//      block's mean row) unless the rows' mean is short and the two groups coherent, decided in
+//      float64 as on the CPU, then split2_list_kernel lists the rows to score per kv head;
+//   2. the KEYS_LSE block-score kernels on both mean rows of every query block (ks::Args::sub = 2;
+//      KEYS_LSE_ADAPTIVE: on the listed rows only, ks::Args::list),
 //      the first group's scores into the score region, the second group's into the index-list region
 //      (free until the selection writes the lists, after step 3 has read it);
 //   3. split2_combine_kernel: per row, each group's scores normalized over the visible blocks and
@@ -37,13 +41,31 @@ struct GroupArgs {
   int64_t Hq, Lq, nQB;
   float* rows;   // [B*Hq, nQB, 2, Dk]: the groups' mean rows (zeros past d_in, and for an empty group)
   float* count;  // [B*Hq, nQB, 2]: the groups' sizes
+  bool adaptive;  // KEYS_LSE_ADAPTIVE: one group unless the block's rows form two coherent groups
 };
 
+// Shared memory of the grouping kernel: the block's rows as 16-bit values, then float64 vectors.
 template <int DK>
 struct GroupSmem {
   static constexpr int kPitch = DK + 2;  // 16-bit elements per row: thread r reads row r, banks (r + c/2) mod 32
-  static constexpr int kBytes = kGThreads * kPitch * 2 + DK * 8 + kGThreads + 64;
+  static constexpr int kRef = kGThreads * kPitch * 2;  // double [DK]: a seed row
+  static constexpr int kMu = kRef + DK * 8;            // double [DK]: the mean row
+  static constexpr int kGm = kMu + DK * 8;             // double [2][DK]: the groups' means (adaptive)
+  static constexpr int kLen = kGm + 2 * DK * 8;        // double [128]: the rows' lengths (adaptive)
+  static constexpr int kRedD = kLen + kGThreads * 8;   // double [4]: reductions
+  static constexpr int kRedR = kRedD + 32;             // int [4]
+  static constexpr int kFlag = kRedR + 16;             // int: the block splits (adaptive)
+  static constexpr int kLab = kFlag + 16;              // uchar [128]: 1 = group b
+  static constexpr int kBytes = kLab + kGThreads;
 };
+
+// The float64 length of a vector of n doubles: the square root of the sum of squares in element
+// order, every operation rounded on its own (the CPU's arithmetic).
+__device__ __forceinline__ double length64(const double* v, int n) {
+  double s = 0.0;
+  for (int c = 0; c < n; ++c) s = __dadd_rn(s, __dmul_rn(v[c], v[c]));
+  return __dsqrt_rn(s);
+}
 
 template <class T>
 __device__ __forceinline__ double elem(const unsigned short* x) {
@@ -53,12 +75,13 @@ __device__ __forceinline__ double elem(const unsigned short* x) {
     return double(__uint_as_float(uint32_t(*x) << 16));
 }
 
-// Squared Euclidean distance of row r to ref (float64, column order, no contraction: the CPU's sum).
+// Squared Euclidean distance of row r to ref (float64, column order, no contraction: the CPU's sum);
+// ref == nullptr: the zero vector (the row's squared length).
 template <class T>
 __device__ __forceinline__ double dist2(const unsigned short* row, const double* ref, int d_in) {
   double s = 0.0;
   for (int c = 0; c < d_in; ++c) {
-    const double t = __dsub_rn(elem<T>(row + c), ref[c]);
+    const double t = ref ? __dsub_rn(elem<T>(row + c), ref[c]) : elem<T>(row + c);
     s = __dadd_rn(s, __dmul_rn(t, t));
   }
   return s;
@@ -102,10 +125,14 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   using Sm = GroupSmem<DK>;
   extern __shared__ __align__(16) unsigned char g_smem[];
   unsigned short* xs = reinterpret_cast<unsigned short*>(g_smem);  // [128][kPitch]
-  double* ref = reinterpret_cast<double*>(g_smem + kGThreads * Sm::kPitch * 2);  // [DK]: the mean, then row b
-  unsigned char* lab = reinterpret_cast<unsigned char*>(ref + DK);               // [128]: 1 = group b
-  double* red_d = reinterpret_cast<double*>(g_smem + kGThreads * Sm::kPitch * 2 + DK * 8 + kGThreads);  // [4]
-  int* red_r = reinterpret_cast<int*>(red_d + kGThreads / 32);                                          // [4]
+  double* ref = reinterpret_cast<double*>(g_smem + Sm::kRef);
+  double* mu = reinterpret_cast<double*>(g_smem + Sm::kMu);
+  double* gm = reinterpret_cast<double*>(g_smem + Sm::kGm);
+  double* len = reinterpret_cast<double*>(g_smem + Sm::kLen);
+  double* red_d = reinterpret_cast<double*>(g_smem + Sm::kRedD);
+  int* red_r = reinterpret_cast<int*>(g_smem + Sm::kRedR);
+  int* flag = reinterpret_cast<int*>(g_smem + Sm::kFlag);
+  unsigned char* lab = g_smem + Sm::kLab;
 
   const int64_t cta = blockIdx.x;
   const int64_t qb = cta % a.nQB, bh = cta / a.nQB;
@@ -114,6 +141,8 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   const int n = int(min(a.Lq - r0, int64_t(kGThreads)));
   const int d_in = a.d_in;
   const int tid = threadIdx.x;
+  float* out = a.rows + (bh * a.nQB + qb) * 2 * DK;
+  float* cnt = a.count + (bh * a.nQB + qb) * 2;
 
   // the block's rows (zeros past n and past d_in)
   {
@@ -132,13 +161,34 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   for (int c = tid; c < d_in; c += kGThreads) {
     double s = 0.0;
     for (int r = 0; r < n; ++r) s = __dadd_rn(s, elem<T>(xs + r * Sm::kPitch + c));
-    ref[c] = __ddiv_rn(s, double(n));
+    mu[c] = __ddiv_rn(s, double(n));
   }
-  __syncthreads();
   const unsigned short* mine = xs + tid * Sm::kPitch;
   const bool real = tid < n;
+  // adaptive: l, the rows' mean length (the lengths summed in row order, / n); one group unless
+  // |mean| < 0.75 l
+  double ell = 0.0;
+  auto one_group = [&] {  // group a: every row, its mean the block's
+    for (int c = tid; c < DK; c += kGThreads) out[c] = c < d_in ? float(mu[c]) : 0.0f, out[DK + c] = 0.0f;
+    if (tid == 0) cnt[0] = float(n), cnt[1] = 0.0f;
+  };
+  if (a.adaptive) {
+    len[tid] = real ? __dsqrt_rn(dist2<T>(mine, nullptr, d_in)) : 0.0;
+    __syncthreads();  // the lengths and the mean row
+    if (tid == 0) {
+      double s = 0.0;
+      for (int r = 0; r < n; ++r) s = __dadd_rn(s, len[r]);
+      red_d[0] = __ddiv_rn(s, double(n));
+      flag[0] = length64(mu, d_in) < __dmul_rn(0.75, red_d[0]);
+    }
+    __syncthreads();
+    ell = red_d[0];
+    if (!flag[0]) return one_group();  // uniform
+  } else {
+    __syncthreads();  // the mean row
+  }
   // seed a: farthest from the mean; seed b: farthest from a
-  const int ra = farthest(real ? dist2<T>(mine, ref, d_in) : -1.0, tid, red_d, red_r);
+  const int ra = farthest(real ? dist2<T>(mine, mu, d_in) : -1.0, tid, red_d, red_r);
   for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + ra * Sm::kPitch + c);
   __syncthreads();
   const double da = real ? dist2<T>(mine, ref, d_in) : -1.0;
@@ -150,25 +200,72 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   lab[tid] = to_b ? 1 : 0;
   const int nb = __syncthreads_count(to_b);
   const int na = n - nb;
-  // the groups' mean rows: float32 of the float64 column sums (row order) / the group's size
-  float* out = a.rows + (bh * a.nQB + qb) * 2 * DK;
-  for (int c = tid; c < DK; c += kGThreads) {
+  // the groups' float64 means: the column sums (row order) / the group's size (0 for an empty group)
+  for (int c = tid; c < d_in; c += kGThreads) {
     double sa = 0.0, sb = 0.0;
-    if (c < d_in)
-      for (int r = 0; r < n; ++r) {
-        const double x = elem<T>(xs + r * Sm::kPitch + c);
-        if (lab[r])
-          sb = __dadd_rn(sb, x);
-        else
-          sa = __dadd_rn(sa, x);
-      }
-    out[c] = na ? float(__ddiv_rn(sa, double(na))) : 0.0f;
-    out[DK + c] = nb ? float(__ddiv_rn(sb, double(nb))) : 0.0f;
+    for (int r = 0; r < n; ++r) {
+      const double x = elem<T>(xs + r * Sm::kPitch + c);
+      if (lab[r])
+        sb = __dadd_rn(sb, x);
+      else
+        sa = __dadd_rn(sa, x);
+    }
+    gm[c] = na ? __ddiv_rn(sa, double(na)) : 0.0;
+    gm[DK + c] = nb ? __ddiv_rn(sb, double(nb)) : 0.0;
   }
-  if (tid == 0) {
-    a.count[(bh * a.nQB + qb) * 2] = float(na);
-    a.count[(bh * a.nQB + qb) * 2 + 1] = float(nb);
+  if (a.adaptive) {
+    // split only if the groups are coherent: (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l
+    __syncthreads();
+    if (tid == 0) {
+      const double coh = __ddiv_rn(
+          __dadd_rn(__dmul_rn(double(na), length64(gm, d_in)), __dmul_rn(double(nb), length64(gm + DK, d_in))),
+          double(n));
+      flag[0] = coh >= __dmul_rn(0.3, ell);
+    }
+    __syncthreads();
+    if (!flag[0]) return one_group();  // uniform
   }
+  // the groups' mean rows rounded to float32 (zeros past d_in), and their sizes
+  for (int c = tid; c < DK; c += kGThreads) {
+    out[c] = c < d_in ? float(gm[c]) : 0.0f;
+    out[DK + c] = c < d_in ? float(gm[DK + c]) : 0.0f;
+  }
+  if (tid == 0) cnt[0] = float(na), cnt[1] = float(nb);
+}
+
+// KEYS_LSE_ADAPTIVE: per kv head (a warp each), the pooled rows to score in the key-score kernels'
+// order (ks::row_qblock: query block, then group, then the query head within the kv head's group):
+// group a of every query block, group b where it has rows.
+struct ListArgs {
+  int64_t Hq, Hkv, nQB, nkv;
+  const float* count;  // [B*Hq, nQB, 2]
+  int32_t* list;       // [B*Hkv][group * nQB * 2]
+  int32_t* list_n;     // [B*Hkv]
+};
+
+constexpr int kLWarps = 4;
+
+__global__ void __launch_bounds__(32 * kLWarps) split2_list_kernel(const ListArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  const int lane = threadIdx.x & 31;
+  const int64_t bhk = int64_t(blockIdx.x) * kLWarps + (threadIdx.x >> 5);
+  if (bhk >= a.nkv) return;  // warp-uniform
+  const int64_t g = a.Hq / a.Hkv, b = bhk / a.Hkv, hk = bhk % a.Hkv;
+  const int64_t total = g * a.nQB * 2;
+  int32_t* list = a.list + bhk * total;
+  int32_t n = 0;
+  for (int64_t e0 = 0; e0 < total; e0 += 32) {
+    const int64_t e = e0 + lane;
+    bool take = false;
+    if (e < total) {
+      const int64_t qs = e / g, qb = qs / 2, bh = b * a.Hq + hk * g + e % g;
+      take = qs % 2 == 0 || a.count[(bh * a.nQB + qb) * 2 + 1] > 0.f;
+    }
+    const uint32_t m = __ballot_sync(0xffffffffu, take);
+    if (take) list[n + __popc(m & ((1u << lane) - 1u))] = int32_t(e);
+    n += __popc(m);
+  }
+  if (lane == 0) a.list_n[bhk] = n;
 }
 
 struct CombineArgs {
@@ -232,13 +329,14 @@ __global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const Comb
 
 }  // namespace
 
-sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream) {
+sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream,
+                                    bool adaptive) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   if (p.BQ != kGpuBlockQ)
     return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE_SPLIT2 on CUDA needs block_q = %d, got %lld",
                 kGpuBlockQ, (long long)p.BQ);
-  if (L.split_q == 0 || L.split_n == 0)
+  if (L.split_q == 0 || L.split_n == 0 || L.split_rows == 0 || L.split_cnt == 0)
     return fail(SPARGE_ERR_INTERNAL, "CUDA KEYS_LSE_SPLIT2: workspace layout lacks its regions");
   const int64_t n = p.B * p.Hq * p.nQB;
   if (n <= 0) return SPARGE_OK;
@@ -250,6 +348,7 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
   ga.Hq = p.Hq, ga.Lq = p.Lq, ga.nQB = p.nQB;
   ga.rows = ws_ptr<float>(base, L.split_q);
   ga.count = ws_ptr<float>(base, L.split_n);
+  ga.adaptive = adaptive;
   const bool vec = prep::vec_ok(q);
   sparge_status_t st = SPARGE_OK;
   cudaError_t err = cudaSuccess;
@@ -266,6 +365,15 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
                 (long long)p.Dk);
   SPARGE_TRY(st);
   SPARGE_PDL_CHECK(err, "sparge KEYS_LSE_SPLIT2 grouping kernel");
+  if (!adaptive) return SPARGE_OK;
+  ListArgs la;
+  la.Hq = p.Hq, la.Hkv = p.Hkv, la.nQB = p.nQB, la.nkv = p.B * p.Hkv;
+  la.count = ga.count;
+  la.list = ws_ptr<int32_t>(base, L.split_rows);
+  la.list_n = ws_ptr<int32_t>(base, L.split_cnt);
+  SPARGE_PDL_CHECK(launch_pdl(split2_list_kernel, dim3(unsigned(ceil_div(la.nkv, int64_t(kLWarps)))),
+                              dim3(32 * kLWarps), 0, stream, la),
+                   "sparge KEYS_LSE_ADAPTIVE row list kernel");
   return SPARGE_OK;
 }
 

@@ -447,7 +447,7 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   // and the pooled queries, nothing else (a K mean shifts every score of a row
   // by the same q . mean, which no selection sees): no column statistics, no
   // pooled K, no K pass.
-  const bool split2 = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+  const bool split2 = grouped_estimator(cfg.estimator);
   const bool q_only = !quant && keys_estimator(cfg.estimator) && no_sim_forcing;
   // ... and with KEYS_LSE_SPLIT2 not even the pooled queries: its grouping kernel reads Q itself.
   const bool no_q_pass = q_only && split2;
@@ -577,9 +577,10 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   // Block scores from every key (estimator KEYS_LSE: the pooled Q of stage A or B is ready;
   // KEYS_LSE_SPLIT2: the groups' mean rows first, the combination of their scores after).
   if (pool && keys_estimator(cfg.estimator)) {
-    if (split2) SPARGE_TRY(launch_split2_group(plan, q, ws, stream));
+    if (split2)
+      SPARGE_TRY(launch_split2_group(plan, q, ws, stream, cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE));
     const KeptRef kr = kept_ref(plan, kept, ws);
-    SPARGE_TRY(launch_key_scores(plan, k, ws, stream, kept_zeroed ? &kr : nullptr, kept_zeroed, split2));
+    SPARGE_TRY(launch_key_scores(plan, k, ws, stream, kept_zeroed ? &kr : nullptr, kept_zeroed, cfg.estimator));
     if (split2) SPARGE_TRY(launch_split2_combine(plan, ws, stream));
   }
   return SPARGE_OK;

@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Ks90<DK, WG, DEEP>::kThreads, Ks90<DK, WG, DEE
   // (a thread-dependent one makes ptxas serialize the wgmmas): every warpgroup multiplies every tile
   // of the CTA (with causality, a warpgroup's tiles past its own rows' extent are computed and not
   // written), and a tile is reduced without masks when the CTA's first row sees all of it.
-  const int32_t kmin = ks::row_last_key(p, ks::row_qblock(a, cw.row0, cw.g));
+  const int32_t kmin = ks::row_last_key(p, cw.qblock(a, cw.row0));
   float acc0[32], acc1[32];
   sm90::wgmma_fence();
   issue_tile<DK, T>(acc0, qa, dk(0));
