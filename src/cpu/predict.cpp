@@ -86,74 +86,70 @@ double keys_lse_row(const float* q, int64_t D, sparge_dtype_t dt, double* out) {
 }
 
 // KEYS_LSE_SPLIT2's grouping of rows [r0, r1) of a dense [L, D] buffer (docs/SEMANTICS.md, "Mask
-// prediction", step 3), in float64: seed a is the row farthest from the rows' mean, seed b the row
-// farthest from a (the lowest index on equal distances); a row joins b when it is strictly nearer
-// to b than to a. Writes each group's mean rounded to float32 (zeros for an empty group) and its
-// number of rows. adaptive (KEYS_LSE_ADAPTIVE): the rows stay one group (a) unless their mean is
-// short, |mean| < 0.75 l (l: the rows' mean length), and the two groups are coherent,
-// (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l.
+// prediction", step 3), in float32 with every operation rounded on its own (the CUDA kernel's
+// operations in its order): seed a is the row farthest from the rows' mean, seed b the row farthest
+// from a (the lowest index on equal distances); a row joins b when it is strictly nearer to b than
+// to a. Writes each group's mean (zeros for an empty group) and its number of rows. adaptive
+// (KEYS_LSE_ADAPTIVE): the rows stay one group (a) unless their mean is short, |mean| < 0.75 l (l:
+// the rows' mean length), and the two groups are coherent, (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l.
 void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptive, float* mean_a, float* mean_b,
                  int64_t* na, int64_t* nb) {
   const int64_t n = r1 - r0;
-  std::vector<double> mu(size_t(D), 0.0), sa(size_t(D), 0.0), sb(size_t(D), 0.0);
-  for (int64_t r = r0; r < r1; ++r)
+  std::vector<float> mu(size_t(D), 0.0f), sa(size_t(D), 0.0f), sb(size_t(D), 0.0f);
+  for (int64_t r = r0; r < r1; ++r)  // column sums in row order
     for (int64_t c = 0; c < D; ++c) mu[size_t(c)] += x[r * D + c];
-  for (int64_t c = 0; c < D; ++c) mu[size_t(c)] /= double(n);
+  for (int64_t c = 0; c < D; ++c) mu[size_t(c)] /= float(n);
+  // squared distance of row r to ref: the sum of (x_c - ref_c)^2 in column order
   auto d2 = [&](int64_t r, auto&& ref) {
-    double s = 0.0;
+    float s = 0.0f;
     for (int64_t c = 0; c < D; ++c) {
-      const double t = double(x[r * D + c]) - ref(c);
+      const float t = x[r * D + c] - ref(c);
       s += t * t;
     }
     return s;
   };
   auto farthest = [&](auto&& ref) {
     int64_t best = r0;
-    double bd = -1.0;
+    float bd = -1.0f;
     for (int64_t r = r0; r < r1; ++r) {
-      const double d = d2(r, ref);
+      const float d = d2(r, ref);
       if (d > bd) bd = d, best = r;
     }
     return best;
   };
-  // the float64 length of a vector: the square root of the sum of squares in column order
-  auto length = [&](auto&& v) {
-    double s = 0.0;
-    for (int64_t c = 0; c < D; ++c) s += v(c) * v(c);
+  // a vector's length: the square root of its sum of squares in column order
+  auto length = [&](const std::vector<float>& v) {
+    float s = 0.0f;
+    for (int64_t c = 0; c < D; ++c) s += v[size_t(c)] * v[size_t(c)];
     return std::sqrt(s);
   };
   auto one_group = [&] {
-    for (int64_t c = 0; c < D; ++c) mean_a[c] = float(mu[size_t(c)]), mean_b[c] = 0.0f;
+    for (int64_t c = 0; c < D; ++c) mean_a[c] = mu[size_t(c)], mean_b[c] = 0.0f;
     *na = n, *nb = 0;
   };
-  double ell = 0.0;  // the rows' mean length (sum in row order, / n)
+  float ell = 0.0f;  // the rows' mean length (the lengths summed in row order, / n)
   if (adaptive) {
-    for (int64_t r = r0; r < r1; ++r) ell += std::sqrt(d2(r, [](int64_t) { return 0.0; }));
-    ell /= double(n);
-    if (!(length([&](int64_t c) { return mu[size_t(c)]; }) < 0.75 * ell)) return one_group();
+    for (int64_t r = r0; r < r1; ++r) ell += std::sqrt(d2(r, [](int64_t) { return 0.0f; }));
+    ell /= float(n);
+    if (!(length(mu) < 0.75f * ell)) return one_group();
   }
   const int64_t a = farthest([&](int64_t c) { return mu[size_t(c)]; });
-  auto row_a = [&](int64_t c) { return double(x[a * D + c]); };
+  auto row_a = [&](int64_t c) { return x[a * D + c]; };
   const int64_t b = farthest(row_a);
-  auto row_b = [&](int64_t c) { return double(x[b * D + c]); };
+  auto row_b = [&](int64_t c) { return x[b * D + c]; };
   int64_t ca = 0, cb = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const bool to_b = d2(r, row_b) < d2(r, row_a);
-    std::vector<double>& s = to_b ? sb : sa;
-    for (int64_t c = 0; c < D; ++c) s[size_t(c)] += x[r * D + c];
+    std::vector<float>& g = to_b ? sb : sa;
+    for (int64_t c = 0; c < D; ++c) g[size_t(c)] += x[r * D + c];
     ++(to_b ? cb : ca);
   }
-  for (int64_t c = 0; c < D; ++c) {
-    sa[size_t(c)] = ca ? sa[size_t(c)] / double(ca) : 0.0;  // the groups' float64 means
-    sb[size_t(c)] = cb ? sb[size_t(c)] / double(cb) : 0.0;
+  for (int64_t c = 0; c < D; ++c) {  // the groups' means
+    sa[size_t(c)] = ca ? sa[size_t(c)] / float(ca) : 0.0f;
+    sb[size_t(c)] = cb ? sb[size_t(c)] / float(cb) : 0.0f;
   }
-  if (adaptive) {
-    const double coh = (double(ca) * length([&](int64_t c) { return sa[size_t(c)]; }) +
-                        double(cb) * length([&](int64_t c) { return sb[size_t(c)]; })) /
-                       double(n);
-    if (!(coh >= 0.3 * ell)) return one_group();
-  }
-  for (int64_t c = 0; c < D; ++c) mean_a[c] = float(sa[size_t(c)]), mean_b[c] = float(sb[size_t(c)]);
+  if (adaptive && !((float(ca) * length(sa) + float(cb) * length(sb)) / float(n) >= 0.3f * ell)) return one_group();
+  for (int64_t c = 0; c < D; ++c) mean_a[c] = sa[size_t(c)], mean_b[c] = sb[size_t(c)];
   *na = ca, *nb = cb;
 }
 
@@ -260,7 +256,9 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           const int64_t r0 = qb * p.BQ, r1 = std::min(p.Lq, r0 + p.BQ);
           int64_t ng[2];
           split2_rows(qh.data(), D, r0, r1, adaptive, grow[0].data(), grow[1].data(), &ng[0], &ng[1]);
-          for (int g = 0; g < 2; ++g) {
+          // KEYS_LSE_ADAPTIVE, one group: KEYS_LSE's scores of the block's mean row
+          const bool single = adaptive && ng[1] == 0;
+          for (int g = 0; g < (single ? 0 : 2); ++g) {
             if (ng[g] == 0) continue;
             const double kfac = double(p.scale) * keys_lse_row(grow[g].data(), D, k.dtype, qr.data());
             double m = -INFINITY;
@@ -274,7 +272,15 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
             const double lw = std::log(double(ng[g]) / double(r1 - r0));
             for (int64_t kb = 0; kb < vis; ++kb) gs[g][size_t(kb)] += lw - norm;
           }
+          const double kfac1 = single ? double(p.scale) * keys_lse_row(grow[0].data(), D, k.dtype, qr.data()) : 0.0;
           for (int64_t kb = 0; kb < vis; ++kb) {
+            if (single) {
+              const float sf = lse_block(kfac1, kb);
+              e[size_t(kb)] = sf;
+              mx = std::max(mx, double(sf));
+              nonfinite |= !std::isfinite(sf);
+              continue;
+            }
             double m = -INFINITY, sum = 0.0;
             bool bad = false;
             for (int g = 0; g < 2; ++g)

@@ -37,7 +37,7 @@ def test_tuned_settings_meet_the_target(rng, tmp_path, metric, target, causal):
     T.write_tuned(path, [layer])
     got = sparge.load_tuned(path)["blk0"]
     assert got.mode == layer.mode and got.sink == layer.sink and got.window == layer.window
-    assert got.estimator == layer.estimator in ("mean", "keys_lse", "keys_lse_split2")
+    assert got.estimator == layer.estimator in ("mean", "keys_lse", "keys_lse_adaptive", "keys_lse_split2")
     np.testing.assert_allclose(got.values, layer.values, rtol=1e-5)
     for cap in caps:
         mask = sparge.predict_mask(cap.q[None], cap.k[None], is_causal=causal, precision="exact",
@@ -99,6 +99,10 @@ def test_estimator_default_and_older_files(tmp_path):
     T.write_tuned(path, [layer])
     assert " estimator keys_lse_split2\n" in open(path).read()
     assert sparge.load_tuned(path)["a"].kwargs()["estimator"] == "keys_lse_split2"
+    layer.estimator = "keys_lse_adaptive"
+    T.write_tuned(path, [layer])
+    assert " estimator keys_lse_adaptive\n" in open(path).read()
+    assert sparge.load_tuned(path)["a"].kwargs()["estimator"] == "keys_lse_adaptive"
 
 
 def test_capture_helper_roundtrip(rng, tmp_path):
@@ -157,3 +161,24 @@ def test_ties_go_to_keys_lse_across_settings(rng, monkeypatch):
     layer = T.tune_layer("tie", [cap], "rel_l1", 0.1)
     assert layer.estimator == "keys_lse"
     assert (layer.sink, layer.window) == (True, 0)
+
+
+@pytest.mark.parametrize("cheap,chosen", [
+    (("keys_lse_adaptive",), "keys_lse_adaptive"),  # tried
+    (("keys_lse_adaptive", "keys_lse_split2"), "keys_lse_adaptive"),  # a tie with split2: the cheaper
+    (("keys_lse", "keys_lse_adaptive"), "keys_lse"),  # a tie with keys_lse (no block split): the default
+    (("keys_lse_split2",), "keys_lse_split2"),
+])
+def test_tune_tries_adaptive_before_split2(rng, monkeypatch, cheap, chosen):
+    """sparge tune considers keys_lse_adaptive, after keys_lse and before keys_lse_split2: of equal
+    densities the default wins, then the estimator that splits fewer blocks."""
+    cap = _small_capture(rng, False)
+
+    class Fake:
+        def __init__(self, density):
+            self.rel_l1, self.cosine, self.density = 0.0, 1.0, density
+
+    monkeypatch.setattr(T, "_library_mask", lambda cap_, st, sim: [st.estimator] * cap_.Hq)
+    monkeypatch.setattr(Y, "score_mask", lambda hp, m, vis: Fake(0.3 if m in cheap else 0.9))
+    monkeypatch.setattr(T, "_evaluate_layer", lambda cap_, layer: Fake(0.3))
+    assert T.tune_layer("t", [cap], "rel_l1", 0.1).estimator == chosen

@@ -30,10 +30,10 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
 // q into two groups (adaptive: one where its rows do not form two coherent groups) and their mean
 // rows and sizes, and for adaptive the list of rows to score per kv head (before
 // launch_key_scores); the combination of the two groups' block scores into the score region
-// (after it).
+// (after it; adaptive: the blocks of two groups only, the others keep their KEYS_LSE scores).
 sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream,
                                     bool adaptive);
-sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream);
+sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream, bool adaptive);
 
 // Estimators with two group rows per query block (split2.cu).
 inline bool grouped_estimator(sparge_estimator_t e) {

@@ -2,18 +2,19 @@
 // step 3; pipeline and costs: docs/PREDICTION.md). Three launches after the preparation's passes
 // (four with KEYS_LSE_ADAPTIVE):
 //   1. split2_group_kernel: per 128-row query block, the two groups of similar rows and their float32
-//      mean rows and sizes, in float64 with the CPU reference's operations in its order (column sums
+//      mean rows and sizes, in float32 with the CPU reference's operations in its order (column sums
 //      in row order, squared distances in column order, no fused multiply-adds), so that groups and
 //      means equal the CPU backend's bit for bit; KEYS_LSE_ADAPTIVE keeps one group (every row, the
 //      block's mean row) unless the rows' mean is short and the two groups coherent, decided in
-//      float64 as on the CPU, then split2_list_kernel lists the rows to score per kv head;
+//      float32 as on the CPU, then split2_list_kernel lists the rows to score per kv head;
 //   2. the KEYS_LSE block-score kernels on both mean rows of every query block (ks::Args::sub = 2;
 //      KEYS_LSE_ADAPTIVE: on the listed rows only, ks::Args::list),
 //      the first group's scores into the score region, the second group's into the index-list region
 //      (free until the selection writes the lists, after step 3 has read it);
 //   3. split2_combine_kernel: per row, each group's scores normalized over the visible blocks and
 //      their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)), in float64, rounded to
-//      float32 into the score region, which the selection then ranks as KEYS_LSE scores.
+//      float32 into the score region, which the selection then ranks as KEYS_LSE scores
+//      (KEYS_LSE_ADAPTIVE: rows of one group keep the KEYS_LSE scores of step 2).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -44,75 +45,97 @@ struct GroupArgs {
   bool adaptive;  // KEYS_LSE_ADAPTIVE: one group unless the block's rows form two coherent groups
 };
 
-// Shared memory of the grouping kernel: the block's rows as 16-bit values, then float64 vectors.
+// Shared memory of the grouping kernel: the block's rows as 16-bit values, then float32 vectors.
 template <int DK>
 struct GroupSmem {
   static constexpr int kPitch = DK + 2;  // 16-bit elements per row: thread r reads row r, banks (r + c/2) mod 32
-  static constexpr int kRef = kGThreads * kPitch * 2;  // double [DK]: a seed row
-  static constexpr int kMu = kRef + DK * 8;            // double [DK]: the mean row
-  static constexpr int kGm = kMu + DK * 8;             // double [2][DK]: the groups' means (adaptive)
-  static constexpr int kLen = kGm + 2 * DK * 8;        // double [128]: the rows' lengths (adaptive)
-  static constexpr int kRedD = kLen + kGThreads * 8;   // double [4]: reductions
-  static constexpr int kRedR = kRedD + 32;             // int [4]
+  static constexpr int kRef = kGThreads * kPitch * 2;  // float [DK]: a seed row
+  static constexpr int kMu = kRef + DK * 4;            // float [DK]: the mean row
+  static constexpr int kGm = kMu + DK * 4;             // float [2][DK]: the groups' means
+  static constexpr int kLen = kGm + 2 * DK * 4;        // float [128]: the rows' lengths (adaptive)
+  static constexpr int kRedD = kLen + kGThreads * 4;   // float [4]: reductions
+  static constexpr int kRedR = kRedD + 16;             // int [4]
   static constexpr int kFlag = kRedR + 16;             // int: the block splits (adaptive)
   static constexpr int kLab = kFlag + 16;              // uchar [128]: 1 = group b
   static constexpr int kBytes = kLab + kGThreads;
 };
 
-// The float64 length of a vector of n doubles: the square root of the sum of squares in element
-// order, every operation rounded on its own (the CPU's arithmetic).
-__device__ __forceinline__ double length64(const double* v, int n) {
-  double s = 0.0;
-  for (int c = 0; c < n; ++c) s = __dadd_rn(s, __dmul_rn(v[c], v[c]));
-  return __dsqrt_rn(s);
+// Every float32 operation below is rounded on its own (no fused multiply-add), in the CPU
+// reference's order (src/cpu/predict.cpp, split2_rows), so that both backends form the same groups.
+
+// A vector's length: the square root of its sum of squares in element order.
+__device__ __forceinline__ float length32(const float* v, int n) {
+  float s = 0.0f;
+  for (int c = 0; c < n; ++c) s = __fadd_rn(s, __fmul_rn(v[c], v[c]));
+  return __fsqrt_rn(s);
 }
 
 template <class T>
-__device__ __forceinline__ double elem(const unsigned short* x) {
+__device__ __forceinline__ float elem(const unsigned short* x) {
   if constexpr (std::is_same<T, __half>::value)
-    return double(__half2float(__ushort_as_half(*x)));
+    return __half2float(__ushort_as_half(*x));
   else
-    return double(__uint_as_float(uint32_t(*x) << 16));
+    return __uint_as_float(uint32_t(*x) << 16);
 }
 
-// Squared Euclidean distance of row r to ref (float64, column order, no contraction: the CPU's sum);
-// ref == nullptr: the zero vector (the row's squared length).
+// Elements c and c + 1 of a row (c even: one 32-bit shared load).
 template <class T>
-__device__ __forceinline__ double dist2(const unsigned short* row, const double* ref, int d_in) {
-  double s = 0.0;
-  for (int c = 0; c < d_in; ++c) {
-    const double t = ref ? __dsub_rn(elem<T>(row + c), ref[c]) : elem<T>(row + c);
-    s = __dadd_rn(s, __dmul_rn(t, t));
+__device__ __forceinline__ float2 elem2(const unsigned short* x) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(x);
+  if constexpr (std::is_same<T, __half>::value) {
+    __half2 h;
+    *reinterpret_cast<uint32_t*>(&h) = w;
+    return __half22float2(h);
+  } else {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
   }
+}
+
+// Squared Euclidean distance of a row to ref (the sum of (x_c - ref_c)^2 in column order); ref ==
+// nullptr: the zero vector (the row's squared length).
+template <class T>
+__device__ __forceinline__ float dist2(const unsigned short* row, const float* ref, int d_in) {
+  float s = 0.0f;
+  auto term = [&](float x, int c) {
+    const float t = ref ? __fsub_rn(x, ref[c]) : x;
+    s = __fadd_rn(s, __fmul_rn(t, t));
+  };
+  int c = 0;
+  for (; c + 1 < d_in; c += 2) {
+    const float2 x = elem2<T>(row + c);
+    term(x.x, c);
+    term(x.y, c + 1);
+  }
+  if (c < d_in) term(elem<T>(row + c), c);
   return s;
 }
 
 // The farthest row: the largest distance, the lowest row on equal distances; NaN distances (and
 // padding rows, d < 0) never win over a number; with no number at all, row 0 (the CPU's scan from
 // the first row with `d > best`, best starting below every distance).
-__device__ __forceinline__ int farthest(double d, int r, double* red_d, int* red_r) {
-  bool ok = d >= 0.0;  // false for NaN and padding
-  auto better = [](bool oa, double da, int ra, bool ob, double db, int rb) {
+__device__ __forceinline__ int farthest(float d, int r, float* red_d, int* red_r) {
+  bool ok = d >= 0.0f;  // false for NaN and padding
+  auto better = [](bool oa, float da, int ra, bool ob, float db, int rb) {
     if (oa != ob) return oa;
     if (oa && da != db) return da > db;
     return ra < rb;
   };
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const double d2 = __shfl_xor_sync(0xffffffffu, d, o);
+    const float d2 = __shfl_xor_sync(0xffffffffu, d, o);
     const int r2 = __shfl_xor_sync(0xffffffffu, r, o);
     const bool o2 = __shfl_xor_sync(0xffffffffu, int(ok), o) != 0;
     if (better(o2, d2, r2, ok, d, r)) d = d2, r = r2, ok = o2;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   __syncthreads();  // the previous use of red_* is over
-  if (lane == 0) red_d[warp] = ok ? d : -1.0, red_r[warp] = r;
+  if (lane == 0) red_d[warp] = ok ? d : -1.0f, red_r[warp] = r;
   __syncthreads();
-  double bd = red_d[0];
+  float bd = red_d[0];
   int br = red_r[0];
 #pragma unroll
   for (int w = 1; w < kGThreads / 32; ++w)
-    if (better(red_d[w] >= 0.0, red_d[w], red_r[w], bd >= 0.0, bd, br)) bd = red_d[w], br = red_r[w];
+    if (better(red_d[w] >= 0.0f, red_d[w], red_r[w], bd >= 0.0f, bd, br)) bd = red_d[w], br = red_r[w];
   return br;
 }
 
@@ -125,11 +148,11 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   using Sm = GroupSmem<DK>;
   extern __shared__ __align__(16) unsigned char g_smem[];
   unsigned short* xs = reinterpret_cast<unsigned short*>(g_smem);  // [128][kPitch]
-  double* ref = reinterpret_cast<double*>(g_smem + Sm::kRef);
-  double* mu = reinterpret_cast<double*>(g_smem + Sm::kMu);
-  double* gm = reinterpret_cast<double*>(g_smem + Sm::kGm);
-  double* len = reinterpret_cast<double*>(g_smem + Sm::kLen);
-  double* red_d = reinterpret_cast<double*>(g_smem + Sm::kRedD);
+  float* ref = reinterpret_cast<float*>(g_smem + Sm::kRef);
+  float* mu = reinterpret_cast<float*>(g_smem + Sm::kMu);
+  float* gm = reinterpret_cast<float*>(g_smem + Sm::kGm);
+  float* len = reinterpret_cast<float*>(g_smem + Sm::kLen);
+  float* red_d = reinterpret_cast<float*>(g_smem + Sm::kRedD);
   int* red_r = reinterpret_cast<int*>(g_smem + Sm::kRedR);
   int* flag = reinterpret_cast<int*>(g_smem + Sm::kFlag);
   unsigned char* lab = g_smem + Sm::kLab;
@@ -157,29 +180,29 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     }
   }
   __syncthreads();
-  // the mean row (float64 column sums in row order, then / n)
+  // the mean row (column sums in row order, then / n)
   for (int c = tid; c < d_in; c += kGThreads) {
-    double s = 0.0;
-    for (int r = 0; r < n; ++r) s = __dadd_rn(s, elem<T>(xs + r * Sm::kPitch + c));
-    mu[c] = __ddiv_rn(s, double(n));
+    float s = 0.0f;
+    for (int r = 0; r < n; ++r) s = __fadd_rn(s, elem<T>(xs + r * Sm::kPitch + c));
+    mu[c] = __fdiv_rn(s, float(n));
   }
   const unsigned short* mine = xs + tid * Sm::kPitch;
   const bool real = tid < n;
   // adaptive: l, the rows' mean length (the lengths summed in row order, / n); one group unless
   // |mean| < 0.75 l
-  double ell = 0.0;
+  float ell = 0.0f;
   auto one_group = [&] {  // group a: every row, its mean the block's
-    for (int c = tid; c < DK; c += kGThreads) out[c] = c < d_in ? float(mu[c]) : 0.0f, out[DK + c] = 0.0f;
+    for (int c = tid; c < DK; c += kGThreads) out[c] = c < d_in ? mu[c] : 0.0f, out[DK + c] = 0.0f;
     if (tid == 0) cnt[0] = float(n), cnt[1] = 0.0f;
   };
   if (a.adaptive) {
-    len[tid] = real ? __dsqrt_rn(dist2<T>(mine, nullptr, d_in)) : 0.0;
+    len[tid] = real ? __fsqrt_rn(dist2<T>(mine, nullptr, d_in)) : 0.0f;
     __syncthreads();  // the lengths and the mean row
     if (tid == 0) {
-      double s = 0.0;
-      for (int r = 0; r < n; ++r) s = __dadd_rn(s, len[r]);
-      red_d[0] = __ddiv_rn(s, double(n));
-      flag[0] = length64(mu, d_in) < __dmul_rn(0.75, red_d[0]);
+      float s = 0.0f;
+      for (int r = 0; r < n; ++r) s = __fadd_rn(s, len[r]);
+      red_d[0] = __fdiv_rn(s, float(n));
+      flag[0] = length32(mu, d_in) < __fmul_rn(0.75f, red_d[0]);
     }
     __syncthreads();
     ell = red_d[0];
@@ -188,10 +211,10 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     __syncthreads();  // the mean row
   }
   // seed a: farthest from the mean; seed b: farthest from a
-  const int ra = farthest(real ? dist2<T>(mine, mu, d_in) : -1.0, tid, red_d, red_r);
+  const int ra = farthest(real ? dist2<T>(mine, mu, d_in) : -1.0f, tid, red_d, red_r);
   for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + ra * Sm::kPitch + c);
   __syncthreads();
-  const double da = real ? dist2<T>(mine, ref, d_in) : -1.0;
+  const float da = real ? dist2<T>(mine, ref, d_in) : -1.0f;
   const int rb = farthest(da, tid, red_d, red_r);  // (its barriers also end every read of ref as row a)
   for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + rb * Sm::kPitch + c);
   __syncthreads();
@@ -200,72 +223,81 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   lab[tid] = to_b ? 1 : 0;
   const int nb = __syncthreads_count(to_b);
   const int na = n - nb;
-  // the groups' float64 means: the column sums (row order) / the group's size (0 for an empty group)
+  // the groups' means: the column sums (row order) / the group's size (0 for an empty group)
   for (int c = tid; c < d_in; c += kGThreads) {
-    double sa = 0.0, sb = 0.0;
+    float sa = 0.0f, sb = 0.0f;
     for (int r = 0; r < n; ++r) {
-      const double x = elem<T>(xs + r * Sm::kPitch + c);
+      const float x = elem<T>(xs + r * Sm::kPitch + c);
       if (lab[r])
-        sb = __dadd_rn(sb, x);
+        sb = __fadd_rn(sb, x);
       else
-        sa = __dadd_rn(sa, x);
+        sa = __fadd_rn(sa, x);
     }
-    gm[c] = na ? __ddiv_rn(sa, double(na)) : 0.0;
-    gm[DK + c] = nb ? __ddiv_rn(sb, double(nb)) : 0.0;
+    gm[c] = na ? __fdiv_rn(sa, float(na)) : 0.0f;
+    gm[DK + c] = nb ? __fdiv_rn(sb, float(nb)) : 0.0f;
   }
   if (a.adaptive) {
     // split only if the groups are coherent: (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l
     __syncthreads();
     if (tid == 0) {
-      const double coh = __ddiv_rn(
-          __dadd_rn(__dmul_rn(double(na), length64(gm, d_in)), __dmul_rn(double(nb), length64(gm + DK, d_in))),
-          double(n));
-      flag[0] = coh >= __dmul_rn(0.3, ell);
+      const float coh = __fdiv_rn(
+          __fadd_rn(__fmul_rn(float(na), length32(gm, d_in)), __fmul_rn(float(nb), length32(gm + DK, d_in))),
+          float(n));
+      flag[0] = coh >= __fmul_rn(0.3f, ell);
     }
     __syncthreads();
     if (!flag[0]) return one_group();  // uniform
   }
-  // the groups' mean rows rounded to float32 (zeros past d_in), and their sizes
+  // the groups' mean rows (zeros past d_in), and their sizes
   for (int c = tid; c < DK; c += kGThreads) {
-    out[c] = c < d_in ? float(gm[c]) : 0.0f;
-    out[DK + c] = c < d_in ? float(gm[DK + c]) : 0.0f;
+    out[c] = c < d_in ? gm[c] : 0.0f;
+    out[DK + c] = c < d_in ? gm[DK + c] : 0.0f;
   }
   if (tid == 0) cnt[0] = float(na), cnt[1] = float(nb);
 }
 
-// KEYS_LSE_ADAPTIVE: per kv head (a warp each), the pooled rows to score in the key-score kernels'
+// KEYS_LSE_ADAPTIVE: per kv head (a CTA each), the pooled rows to score in the key-score kernels'
 // order (ks::row_qblock: query block, then group, then the query head within the kv head's group):
 // group a of every query block, group b where it has rows.
 struct ListArgs {
-  int64_t Hq, Hkv, nQB, nkv;
+  int64_t Hq, Hkv, nQB;
   const float* count;  // [B*Hq, nQB, 2]
   int32_t* list;       // [B*Hkv][group * nQB * 2]
   int32_t* list_n;     // [B*Hkv]
 };
 
-constexpr int kLWarps = 4;
+constexpr int kLThreads = 256;
 
-__global__ void __launch_bounds__(32 * kLWarps) split2_list_kernel(const ListArgs a) {
+__global__ void __launch_bounds__(kLThreads) split2_list_kernel(const ListArgs a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
-  const int lane = threadIdx.x & 31;
-  const int64_t bhk = int64_t(blockIdx.x) * kLWarps + (threadIdx.x >> 5);
-  if (bhk >= a.nkv) return;  // warp-uniform
+  __shared__ int wsum[kLThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t bhk = blockIdx.x;
   const int64_t g = a.Hq / a.Hkv, b = bhk / a.Hkv, hk = bhk % a.Hkv;
   const int64_t total = g * a.nQB * 2;
   int32_t* list = a.list + bhk * total;
   int32_t n = 0;
-  for (int64_t e0 = 0; e0 < total; e0 += 32) {
-    const int64_t e = e0 + lane;
+  for (int64_t e0 = 0; e0 < total; e0 += kLThreads) {
+    const int64_t e = e0 + tid;
     bool take = false;
     if (e < total) {
       const int64_t qs = e / g, qb = qs / 2, bh = b * a.Hq + hk * g + e % g;
       take = qs % 2 == 0 || a.count[(bh * a.nQB + qb) * 2 + 1] > 0.f;
     }
     const uint32_t m = __ballot_sync(0xffffffffu, take);
-    if (take) list[n + __popc(m & ((1u << lane) - 1u))] = int32_t(e);
-    n += __popc(m);
+    if (lane == 0) wsum[warp] = __popc(m);
+    __syncthreads();
+    int before = 0, all = 0;
+#pragma unroll
+    for (int w = 0; w < kLThreads / 32; ++w) {
+      before += w < warp ? wsum[w] : 0;
+      all += wsum[w];
+    }
+    if (take) list[n + before + __popc(m & ((1u << lane) - 1u))] = int32_t(e);
+    n += all;
+    __syncthreads();  // wsum is read
   }
-  if (lane == 0) a.list_n[bhk] = n;
+  if (tid == 0) a.list_n[bhk] = n;
 }
 
 struct CombineArgs {
@@ -273,6 +305,7 @@ struct CombineArgs {
   float* scores;         // [B*Hq, nQB, nKB]: group a's block scores in, the combined scores out
   const float* scores2;  // [B*Hq, nQB, nKB]: group b's block scores
   const float* count;    // [B*Hq, nQB, 2]
+  bool adaptive;         // KEYS_LSE_ADAPTIVE: a row of one group keeps its KEYS_LSE scores
 };
 
 constexpr int kCWarps = 4;  // rows per CTA, a warp each
@@ -293,6 +326,7 @@ __global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const Comb
   float* s0 = a.scores + row * p.nKB;
   const float* s1 = a.scores2 + row * p.nKB;
   const float n0 = a.count[2 * row], n1 = a.count[2 * row + 1];
+  if (a.adaptive && !(n1 > 0.f)) return;  // warp-uniform
   const double n = double(n0) + double(n1);
   double shift[2] = {0.0, 0.0};  // log(n_g / n) - norm_g
   const bool has[2] = {n0 > 0.f, n1 > 0.f};
@@ -367,17 +401,16 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
   SPARGE_PDL_CHECK(err, "sparge KEYS_LSE_SPLIT2 grouping kernel");
   if (!adaptive) return SPARGE_OK;
   ListArgs la;
-  la.Hq = p.Hq, la.Hkv = p.Hkv, la.nQB = p.nQB, la.nkv = p.B * p.Hkv;
+  la.Hq = p.Hq, la.Hkv = p.Hkv, la.nQB = p.nQB;
   la.count = ga.count;
   la.list = ws_ptr<int32_t>(base, L.split_rows);
   la.list_n = ws_ptr<int32_t>(base, L.split_cnt);
-  SPARGE_PDL_CHECK(launch_pdl(split2_list_kernel, dim3(unsigned(ceil_div(la.nkv, int64_t(kLWarps)))),
-                              dim3(32 * kLWarps), 0, stream, la),
+  SPARGE_PDL_CHECK(launch_pdl(split2_list_kernel, dim3(unsigned(p.B * p.Hkv)), dim3(kLThreads), 0, stream, la),
                    "sparge KEYS_LSE_ADAPTIVE row list kernel");
   return SPARGE_OK;
 }
 
-sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream) {
+sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream, bool adaptive) {
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   const int64_t rows = p.B * p.Hq * p.nQB;
@@ -390,6 +423,7 @@ sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t s
   ca.scores = ws_ptr<float>(base, L.scores);
   ca.scores2 = ws_ptr<float>(base, L.idx);
   ca.count = ws_ptr<float>(base, L.split_n);
+  ca.adaptive = adaptive;
   SPARGE_PDL_CHECK(launch_pdl(split2_combine_kernel, dim3(unsigned(ctas)), dim3(32 * kCWarps), 0, stream, ca),
                    "sparge KEYS_LSE_SPLIT2 combination kernel");
   return SPARGE_OK;

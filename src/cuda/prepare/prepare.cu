@@ -581,7 +581,8 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
       SPARGE_TRY(launch_split2_group(plan, q, ws, stream, cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE));
     const KeptRef kr = kept_ref(plan, kept, ws);
     SPARGE_TRY(launch_key_scores(plan, k, ws, stream, kept_zeroed ? &kr : nullptr, kept_zeroed, cfg.estimator));
-    if (split2) SPARGE_TRY(launch_split2_combine(plan, ws, stream));
+    if (split2)
+      SPARGE_TRY(launch_split2_combine(plan, ws, stream, cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE));
   }
   return SPARGE_OK;
 }
