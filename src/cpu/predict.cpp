@@ -85,28 +85,39 @@ double keys_lse_row(const float* q, int64_t D, sparge_dtype_t dt, double* out) {
   return 1.0;
 }
 
+// The float32 sum of f(i), i = 0 .. n-1, as KEYS_LSE_SPLIT2's grouping forms it (docs/SEMANTICS.md,
+// "Mask prediction", step 3): four partial sums over i = k (mod 4), each in ascending i, added as
+// (p0 + p1) + (p2 + p3); f(i) returning false adds nothing.
+template <class F>
+float sum4(int64_t n, F&& f) {
+  float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t i = 0; i < n; ++i) {
+    float v;
+    if (f(i, v)) p[i & 3] += v;
+  }
+  return (p[0] + p[1]) + (p[2] + p[3]);
+}
+
 // KEYS_LSE_SPLIT2's grouping of rows [r0, r1) of a dense [L, D] buffer (docs/SEMANTICS.md, "Mask
-// prediction", step 3), in float32 with every operation rounded on its own (the CUDA kernel's
-// operations in its order): seed a is the row farthest from the rows' mean, seed b the row farthest
-// from a (the lowest index on equal distances); a row joins b when it is strictly nearer to b than
-// to a. Writes each group's mean (zeros for an empty group) and its number of rows. adaptive
-// (KEYS_LSE_ADAPTIVE): the rows stay one group (a) unless their mean is short, |mean| < 0.75 l (l:
-// the rows' mean length), and the two groups are coherent, (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l.
+// prediction", step 3), in float32 with every operation rounded on its own and every sum a sum4
+// (the CUDA kernel's operations): seed a is the row farthest from the rows' mean, seed b the row
+// farthest from a (the lowest index on equal distances); a row joins b when it is strictly nearer
+// to b than to a. Writes each group's mean (zeros for an empty group) and its number of rows.
+// adaptive (KEYS_LSE_ADAPTIVE): the rows stay one group (a) unless their mean is short, |mean| <
+// 0.75 l (l: the rows' mean length), and the two groups are coherent, (n_a |mean_a| + n_b
+// |mean_b|) / n >= 0.3 l.
 void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptive, float* mean_a, float* mean_b,
                  int64_t* na, int64_t* nb) {
   const int64_t n = r1 - r0;
-  std::vector<float> mu(size_t(D), 0.0f), sa(size_t(D), 0.0f), sb(size_t(D), 0.0f);
-  for (int64_t r = r0; r < r1; ++r)  // column sums in row order
-    for (int64_t c = 0; c < D; ++c) mu[size_t(c)] += x[r * D + c];
-  for (int64_t c = 0; c < D; ++c) mu[size_t(c)] /= float(n);
-  // squared distance of row r to ref: the sum of (x_c - ref_c)^2 in column order
+  std::vector<float> mu(static_cast<size_t>(D)), sa(static_cast<size_t>(D)), sb(static_cast<size_t>(D));
+  for (int64_t c = 0; c < D; ++c)
+    mu[size_t(c)] = sum4(n, [&](int64_t i, float& v) { return v = x[(r0 + i) * D + c], true; }) / float(n);
+  // squared distance of row r to ref: the sum4 of (x_c - ref_c)^2 over the columns
   auto d2 = [&](int64_t r, auto&& ref) {
-    float s = 0.0f;
-    for (int64_t c = 0; c < D; ++c) {
+    return sum4(D, [&](int64_t c, float& v) {
       const float t = x[r * D + c] - ref(c);
-      s += t * t;
-    }
-    return s;
+      return v = t * t, true;
+    });
   };
   auto farthest = [&](auto&& ref) {
     int64_t best = r0;
@@ -117,36 +128,33 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
     }
     return best;
   };
-  // a vector's length: the square root of its sum of squares in column order
-  auto length = [&](const std::vector<float>& v) {
-    float s = 0.0f;
-    for (int64_t c = 0; c < D; ++c) s += v[size_t(c)] * v[size_t(c)];
-    return std::sqrt(s);
+  // a vector's length: the square root of the sum4 of its squares
+  auto length = [&](const std::vector<float>& u) {
+    return std::sqrt(sum4(D, [&](int64_t c, float& v) { return v = u[size_t(c)] * u[size_t(c)], true; }));
   };
   auto one_group = [&] {
     for (int64_t c = 0; c < D; ++c) mean_a[c] = mu[size_t(c)], mean_b[c] = 0.0f;
     *na = n, *nb = 0;
   };
-  float ell = 0.0f;  // the rows' mean length (the lengths summed in row order, / n)
+  float ell = 0.0f;  // the rows' mean length (the sum4 of the lengths in row order, / n)
   if (adaptive) {
-    for (int64_t r = r0; r < r1; ++r) ell += std::sqrt(d2(r, [](int64_t) { return 0.0f; }));
-    ell /= float(n);
+    ell = sum4(n, [&](int64_t i, float& v) { return v = std::sqrt(d2(r0 + i, [](int64_t) { return 0.0f; })), true; }) /
+          float(n);
     if (!(length(mu) < 0.75f * ell)) return one_group();
   }
   const int64_t a = farthest([&](int64_t c) { return mu[size_t(c)]; });
   auto row_a = [&](int64_t c) { return x[a * D + c]; };
   const int64_t b = farthest(row_a);
   auto row_b = [&](int64_t c) { return x[b * D + c]; };
-  int64_t ca = 0, cb = 0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const bool to_b = d2(r, row_b) < d2(r, row_a);
-    std::vector<float>& g = to_b ? sb : sa;
-    for (int64_t c = 0; c < D; ++c) g[size_t(c)] += x[r * D + c];
-    ++(to_b ? cb : ca);
-  }
-  for (int64_t c = 0; c < D; ++c) {  // the groups' means
-    sa[size_t(c)] = ca ? sa[size_t(c)] / float(ca) : 0.0f;
-    sb[size_t(c)] = cb ? sb[size_t(c)] / float(cb) : 0.0f;
+  std::vector<uint8_t> to_b(static_cast<size_t>(n));
+  int64_t cb = 0;
+  for (int64_t i = 0; i < n; ++i) cb += to_b[size_t(i)] = d2(r0 + i, row_b) < d2(r0 + i, row_a);
+  const int64_t ca = n - cb;
+  for (int64_t c = 0; c < D; ++c) {  // the groups' means: each group's sum4 over the block's rows
+    const float ta = sum4(n, [&](int64_t i, float& v) { return v = x[(r0 + i) * D + c], !to_b[size_t(i)]; });
+    const float tb = sum4(n, [&](int64_t i, float& v) { return v = x[(r0 + i) * D + c], to_b[size_t(i)] != 0; });
+    sa[size_t(c)] = ca ? ta / float(ca) : 0.0f;
+    sb[size_t(c)] = cb ? tb / float(cb) : 0.0f;
   }
   if (adaptive && !((float(ca) * length(sa) + float(cb) * length(sb)) / float(n) >= 0.3f * ell)) return one_group();
   for (int64_t c = 0; c < D; ++c) mean_a[c] = sa[size_t(c)], mean_b[c] = sb[size_t(c)];

@@ -48,7 +48,10 @@ struct GroupArgs {
 // Shared memory of the grouping kernel: the block's rows as 16-bit values, then float32 vectors.
 template <int DK>
 struct GroupSmem {
-  static constexpr int kPitch = DK + 2;  // 16-bit elements per row: thread r reads row r, banks (r + c/2) mod 32
+  // 16-bit elements per row: thread r reads row r 8 bytes at a time (rows 8-byte aligned), a warp in
+  // 2 phases of 16 lanes on banks (2r + c/2, 2r + c/2 + 1) mod 32: DK + 4 is 2 words past a
+  // multiple of 32 words (DK a multiple of 64)
+  static constexpr int kPitch = DK + 4;
   static constexpr int kRef = kGThreads * kPitch * 2;  // float [DK]: a seed row
   static constexpr int kMu = kRef + DK * 4;            // float [DK]: the mean row
   static constexpr int kGm = kMu + DK * 4;             // float [2][DK]: the groups' means
@@ -62,12 +65,33 @@ struct GroupSmem {
 
 // Every float32 operation below is rounded on its own (no fused multiply-add), in the CPU
 // reference's order (src/cpu/predict.cpp, split2_rows), so that both backends form the same groups.
+// A sum over i = 0 .. n-1 is four partial sums over i = k (mod 4), each in ascending i, added as
+// (p0 + p1) + (p2 + p3) (four independent chains: a quarter of the latency of one).
+struct Sum4 {
+  float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  __device__ __forceinline__ void add(int k, float v) { p[k] = __fadd_rn(p[k], v); }
+  __device__ __forceinline__ float total() const { return __fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3])); }
+};
 
-// A vector's length: the square root of its sum of squares in element order.
+// sum4 of f(i), i < n.
+template <class F>
+__device__ __forceinline__ float sum4(int n, F&& f) {
+  Sum4 s;
+  int i = 0;
+#pragma unroll 2
+  for (; i + 3 < n; i += 4) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s.add(k, f(i + k));
+  }
+#pragma unroll
+  for (int k = 0; k < 3; ++k)
+    if (i + k < n) s.add(k, f(i + k));
+  return s.total();
+}
+
+// A vector's length: the square root of the sum4 of its squares.
 __device__ __forceinline__ float length32(const float* v, int n) {
-  float s = 0.0f;
-  for (int c = 0; c < n; ++c) s = __fadd_rn(s, __fmul_rn(v[c], v[c]));
-  return __fsqrt_rn(s);
+  return __fsqrt_rn(sum4(n, [&](int c) { return __fmul_rn(v[c], v[c]); }));
 }
 
 template <class T>
@@ -78,36 +102,53 @@ __device__ __forceinline__ float elem(const unsigned short* x) {
     return __uint_as_float(uint32_t(*x) << 16);
 }
 
-// Elements c and c + 1 of a row (c even: one 32-bit shared load).
+// Elements c .. c + 3 of a row (c a multiple of 4: one 64-bit shared load).
 template <class T>
-__device__ __forceinline__ float2 elem2(const unsigned short* x) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(x);
+__device__ __forceinline__ float4 elem4(const unsigned short* x) {
+  const uint2 w = *reinterpret_cast<const uint2*>(x);
   if constexpr (std::is_same<T, __half>::value) {
-    __half2 h;
-    *reinterpret_cast<uint32_t*>(&h) = w;
-    return __half22float2(h);
+    __half2 h0, h1;
+    *reinterpret_cast<uint32_t*>(&h0) = w.x;
+    *reinterpret_cast<uint32_t*>(&h1) = w.y;
+    const float2 a = __half22float2(h0), b = __half22float2(h1);
+    return make_float4(a.x, a.y, b.x, b.y);
   } else {
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                       __uint_as_float(w.y & 0xffff0000u));
   }
 }
 
-// Squared Euclidean distance of a row to ref (the sum of (x_c - ref_c)^2 in column order); ref ==
-// nullptr: the zero vector (the row's squared length).
-template <class T>
-__device__ __forceinline__ float dist2(const unsigned short* row, const float* ref, int d_in) {
-  float s = 0.0f;
-  auto term = [&](float x, int c) {
+// Squared Euclidean distances of a row to ref and to ref2 (each the sum4 over the columns of
+// (x_c - ref_c)^2); ref == nullptr: the zero vector (the row's squared length). TWO: also to ref2.
+template <class T, bool TWO = false>
+__device__ __forceinline__ float2 dist2x(const unsigned short* row, const float* ref, const float* ref2, int d_in) {
+  Sum4 s, s2;
+  auto term = [&](int k, float x, int c) {
     const float t = ref ? __fsub_rn(x, ref[c]) : x;
-    s = __fadd_rn(s, __fmul_rn(t, t));
+    s.add(k, __fmul_rn(t, t));
+    if constexpr (TWO) {
+      const float t2 = __fsub_rn(x, ref2[c]);
+      s2.add(k, __fmul_rn(t2, t2));
+    }
   };
   int c = 0;
-  for (; c + 1 < d_in; c += 2) {
-    const float2 x = elem2<T>(row + c);
-    term(x.x, c);
-    term(x.y, c + 1);
+#pragma unroll 2
+  for (; c + 3 < d_in; c += 4) {
+    const float4 x = elem4<T>(row + c);
+    term(0, x.x, c);
+    term(1, x.y, c + 1);
+    term(2, x.z, c + 2);
+    term(3, x.w, c + 3);
   }
-  if (c < d_in) term(elem<T>(row + c), c);
-  return s;
+#pragma unroll
+  for (int k = 0; k < 3; ++k)
+    if (c + k < d_in) term(k, elem<T>(row + c + k), c + k);
+  return make_float2(s.total(), TWO ? s2.total() : 0.0f);
+}
+
+template <class T>
+__device__ __forceinline__ float dist2(const unsigned short* row, const float* ref, int d_in) {
+  return dist2x<T>(row, ref, nullptr, d_in).x;
 }
 
 // The farthest row: the largest distance, the lowest row on equal distances; NaN distances (and
@@ -182,9 +223,7 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   __syncthreads();
   // the mean row (column sums in row order, then / n)
   for (int c = tid; c < d_in; c += kGThreads) {
-    float s = 0.0f;
-    for (int r = 0; r < n; ++r) s = __fadd_rn(s, elem<T>(xs + r * Sm::kPitch + c));
-    mu[c] = __fdiv_rn(s, float(n));
+    mu[c] = __fdiv_rn(sum4(n, [&](int r) { return elem<T>(xs + r * Sm::kPitch + c); }), float(n));
   }
   const unsigned short* mine = xs + tid * Sm::kPitch;
   const bool real = tid < n;
@@ -195,23 +234,26 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     for (int c = tid; c < DK; c += kGThreads) out[c] = c < d_in ? mu[c] : 0.0f, out[DK + c] = 0.0f;
     if (tid == 0) cnt[0] = float(n), cnt[1] = 0.0f;
   };
+  __syncthreads();  // the mean row
+  // the distance to the mean (and with adaptive the row's squared length, in the same pass)
+  float dmu = -1.0f;
   if (a.adaptive) {
-    len[tid] = real ? __fsqrt_rn(dist2<T>(mine, nullptr, d_in)) : 0.0f;
-    __syncthreads();  // the lengths and the mean row
+    const float2 d = real ? dist2x<T, true>(mine, nullptr, mu, d_in) : make_float2(0.0f, -1.0f);
+    len[tid] = __fsqrt_rn(d.x);
+    dmu = d.y;
+    __syncthreads();  // the lengths
     if (tid == 0) {
-      float s = 0.0f;
-      for (int r = 0; r < n; ++r) s = __fadd_rn(s, len[r]);
-      red_d[0] = __fdiv_rn(s, float(n));
+      red_d[0] = __fdiv_rn(sum4(n, [&](int r) { return len[r]; }), float(n));
       flag[0] = length32(mu, d_in) < __fmul_rn(0.75f, red_d[0]);
     }
     __syncthreads();
     ell = red_d[0];
     if (!flag[0]) return one_group();  // uniform
-  } else {
-    __syncthreads();  // the mean row
+  } else if (real) {
+    dmu = dist2<T>(mine, mu, d_in);
   }
   // seed a: farthest from the mean; seed b: farthest from a
-  const int ra = farthest(real ? dist2<T>(mine, mu, d_in) : -1.0f, tid, red_d, red_r);
+  const int ra = farthest(dmu, tid, red_d, red_r);
   for (int c = tid; c < d_in; c += kGThreads) ref[c] = elem<T>(xs + ra * Sm::kPitch + c);
   __syncthreads();
   const float da = real ? dist2<T>(mine, ref, d_in) : -1.0f;
@@ -225,16 +267,18 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   const int na = n - nb;
   // the groups' means: the column sums (row order) / the group's size (0 for an empty group)
   for (int c = tid; c < d_in; c += kGThreads) {
-    float sa = 0.0f, sb = 0.0f;
+    // (each group's sum4 over the block's rows, skipping the other group's: row r adds to partial r mod 4)
+    Sum4 sa, sb;
+#pragma unroll 4
     for (int r = 0; r < n; ++r) {
       const float x = elem<T>(xs + r * Sm::kPitch + c);
       if (lab[r])
-        sb = __fadd_rn(sb, x);
+        sb.add(r & 3, x);
       else
-        sa = __fadd_rn(sa, x);
+        sa.add(r & 3, x);
     }
-    gm[c] = na ? __fdiv_rn(sa, float(na)) : 0.0f;
-    gm[DK + c] = nb ? __fdiv_rn(sb, float(nb)) : 0.0f;
+    gm[c] = na ? __fdiv_rn(sa.total(), float(na)) : 0.0f;
+    gm[DK + c] = nb ? __fdiv_rn(sb.total(), float(nb)) : 0.0f;
   }
   if (a.adaptive) {
     // split only if the groups are coherent: (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l
