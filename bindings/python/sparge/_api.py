@@ -313,8 +313,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         estimator: block importance: "keys_lse" (default: mean-pooled Q against every key, log-sum-exp
             per key block; closest to the oracle mask, docs/ACCURACY.md), "keys_lse_split2" (keys_lse for
             two groups of similar rows per query block, their block distributions averaged: closer still
-            on vision transformers at about twice the prediction cost) or "mean"
-            (mean-pooled Q and K, the original SpargeAttn rule).
+            on vision transformers at about twice the prediction cost), "keys_lse_adaptive"
+            (keys_lse_split2 on the query blocks whose mean row is short against their rows, |mean| <
+            0.75 of the rows' mean length, and whose two groups are coherent, their size-weighted mean
+            length >= 0.3 of it; keys_lse on the others, so the cost follows the share of split blocks)
+            or "mean" (mean-pooled Q and K, the original SpargeAttn rule).
         precision: ``"auto"`` (default: ``"int8_fp8"`` on compute capability 9.0 when head_dim <= 128
             and the sequence is long enough for its preparation passes to pay off, an effective length
             3 Lq Lkv / (Lq + 2 Lkv) >= 16384 (>= 32768 at head_dim <= 64); ``"fp16"`` otherwise;

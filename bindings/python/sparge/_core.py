@@ -50,7 +50,7 @@ class Options(NamedTuple):
 
 
 # ------------------------------------------------------------------ argument checking
-ESTIMATORS = {"mean": 0, "keys_lse": 1, "keys_lse_split2": 2}
+ESTIMATORS = {"mean": 0, "keys_lse": 1, "keys_lse_split2": 2, "keys_lse_adaptive": 3}
 
 
 def parse_estimator(e: Any) -> int:

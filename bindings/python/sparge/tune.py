@@ -5,7 +5,7 @@ for each layer it searches, with the yardstick (``sparge.yardstick``: float64 de
 reference, masks from ``sparge.predict_mask`` on the CPU backend):
 
 - per layer: the attention sink and local window (one value per call in the C ABI), the mode (top-k or
-  CDF) and the block-importance estimator (keys_lse, keys_lse_split2 or mean);
+  CDF) and the block-importance estimator (keys_lse, keys_lse_adaptive, keys_lse_split2 or mean);
 - per query head: the top-k fraction or CDF threshold and the self-similarity threshold,
 
 the combination of lowest block density whose output meets the target on every capture of the
@@ -16,7 +16,7 @@ Python package (``load_tuned``) and the Rust crate (``sparge::tuned``) read.
 File format (UTF-8 text, one item per line, ``#`` starts a comment)::
 
     sparge-tune 1
-    layer NAME heads HQ causal 0|1 mode topk|cdf sink 0|1 window W estimator keys_lse|keys_lse_split2|mean
+    layer NAME heads HQ causal 0|1 mode topk|cdf sink 0|1 window W estimator keys_lse|keys_lse_adaptive|keys_lse_split2|mean
     topk V1 ... VHQ                  (mode topk; or: cdf_threshold V1 ... VHQ)
     sim_threshold V1 ... VHQ
     measured rel_l1|cosine VALUE density VALUE target VALUE
@@ -113,7 +113,7 @@ def load_tuned(path: str) -> Dict[str, TunedLayer]:
                 w = w + ["estimator", "mean"]
             if len(w) != 14 or w[2::2] != ["heads", "causal", "mode", "sink", "window", "estimator"]:
                 raise err(i, "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W "
-                             "estimator keys_lse|keys_lse_split2|mean'")
+                             "estimator keys_lse|keys_lse_adaptive|keys_lse_split2|mean'")
             try:
                 heads, causal, sink, window = int(w[3]), int(w[5]), int(w[9]), int(w[11])
             except ValueError:
@@ -122,8 +122,9 @@ def load_tuned(path: str) -> Dict[str, TunedLayer]:
                 raise err(i, "heads >= 1, causal and sink 0 or 1, window in [0, 1024] expected")
             if w[7] not in ("topk", "cdf"):
                 raise err(i, "mode must be topk or cdf, got %r" % w[7])
-            if w[13] not in ("keys_lse", "keys_lse_split2", "mean"):
-                raise err(i, "estimator must be keys_lse, keys_lse_split2 or mean, got %r" % w[13])
+            if w[13] not in ("keys_lse", "keys_lse_adaptive", "keys_lse_split2", "mean"):
+                raise err(i, "estimator must be keys_lse, keys_lse_adaptive, keys_lse_split2 or mean, got %r"
+                          % w[13])
             if w[1] in out:
                 raise err(i, "layer %r appears twice" % w[1])
             cur = dict(name=w[1], heads=heads, causal=bool(causal), mode=w[7], sink=bool(sink), window=window,
@@ -205,7 +206,9 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
     if any(c.causal != causal or c.Hq != Hq for c in caps):
         raise ValueError("layer %s: captures differ in causality or head count" % name)
     sw = [(True, 1), (True, 2), (False, 1)] if causal else [(False, 0), (True, 0), (False, 1), (True, 1)]
-    ests = ("keys_lse", "keys_lse_split2", "mean")  # the default first: it wins ties
+    # the default first: it wins ties; keys_lse_adaptive before keys_lse_split2, so that where the two give
+    # the same density (adaptive splits the blocks that matter) the cheaper one wins
+    ests = ("keys_lse", "keys_lse_adaptive", "keys_lse_split2", "mean")
     cands = [_Cand(s, w, "topk", t, sim, e) for e in ests for s, w in sw for t in topk_grid for sim in sim_grid]
     cands += [_Cand(s, w, "cdf", c, sim, e) for e in ests for s, w in sw for c in cdf_grid for sim in sim_grid]
     for c in cands:

@@ -387,41 +387,69 @@ def est_keys_lse_maxnorm(cap: Capture, h: int, combine: str = "mass") -> np.ndar
                                np.stack([last, last], axis=1), combine)
 
 
+def split2_groups(x: np.ndarray, iters: int, tau: float, coh: float):
+    """The two groups of est_keys_lse_split2 for the rows x [n, D], in float64 and in the operation order
+    of the library's grouping (src/cpu/predict.cpp, split2_rows): sums in row order, squared lengths and
+    distances in column order (np.cumsum: sequential, unlike np.sum's pairwise sums), means as sum / n.
+    Returns [(size, mean row)] of one group (the block kept whole) or two (a size may be 0)."""
+    n = len(x)
+    mu = np.cumsum(x, axis=0)[-1] / n
+
+    def d2(ref: np.ndarray) -> np.ndarray:  # squared distance of every row to ref
+        t = x - ref
+        return np.cumsum(t * t, axis=1)[:, -1]
+
+    def length(v: np.ndarray) -> float:
+        return math.sqrt(np.cumsum(v * v)[-1])
+
+    ell = 0.0  # the rows' mean length
+    if np.isfinite(tau) or coh > 0:
+        ell = np.cumsum(np.sqrt(d2(np.zeros(x.shape[1]))))[-1] / n
+    if np.isfinite(tau) and not length(mu) < tau * ell:
+        return [(n, mu)]
+    a = x[np.argmax(d2(mu))]  # the first farthest row, as the library's strict comparison
+    b = x[np.argmax(d2(a))]
+    to_b = d2(b) < d2(a)  # ties to a
+    if iters:
+        c = np.stack([a, b])
+        for _ in range(iters):
+            lab = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1)
+            c = np.stack([x[lab == g].mean(axis=0) if (lab == g).any() else c[g] for g in range(2)])
+        to_b = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1) == 1
+    groups = [(int(m.sum()), np.cumsum(x[m], axis=0)[-1] / m.sum() if m.any() else np.zeros(x.shape[1]))
+              for m in (~to_b, to_b)]
+    if coh > 0:
+        coherence = (groups[0][0] * length(groups[0][1]) + groups[1][0] * length(groups[1][1])) / n
+        if not coherence >= coh * ell:
+            return [(n, mu)]
+    return groups
+
+
 def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int = 0,
-                        tau: float = np.inf) -> np.ndarray:
+                        tau: float = np.inf, coh: float = 0.0) -> np.ndarray:
     """keys_lse with each query block split into two groups of similar rows instead of two halves:
     seeds a (the row farthest from the block mean) and b (the row farthest from a), each row to the
-    nearer seed (a hyperplane split: the sign of (x - (a + b)/2) . (b - a)), then `iters` Lloyd steps
-    (two-means; 0 to 4 steps measure alike on the captures); each group pooled into one row, the two
-    combined by `combine` with the groups' sizes as weights (see _group_block_scores); both see the
-    keys of the block's last row (causal). Twice the multiply-adds of keys_lse in the scores, plus
-    about (5 + 3 * iters) * BQ * D per block for the grouping.
+    nearer seed (to b only when strictly nearer; a hyperplane split: the sign of
+    (x - (a + b)/2) . (b - a)), then `iters` Lloyd steps (two-means; 0 to 4 steps measure alike on the
+    captures); each group pooled into one row, the two combined by `combine` with the groups' sizes as
+    weights (see _group_block_scores); both see the keys of the block's last row (causal). Twice the
+    multiply-adds of keys_lse in the scores, plus about (5 + 3 * iters) * BQ * D per block for the
+    grouping. The grouping follows the library's operation order (split2_groups).
 
     tau: split only the query blocks whose mean row is short against their rows,
     |mean(q)| < tau * mean(|q_i|) (rows that point apart); the others keep the one pooled row of
-    keys_lse (tau = 0: keys_lse's masks; inf: every block split). The extra multiply-adds scale
-    with the share of split blocks."""
+    keys_lse (tau = 0: keys_lse's masks; inf: every block split). coh: split only where the two groups
+    are coherent, (n_a |mean_a| + n_b |mean_b|) / n >= coh * mean(|q_i|) (0: no such condition). The
+    extra multiply-adds scale with the share of split blocks. tau = 0.75, coh = 0.3: the library's
+    SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE (ESTIMATORS["keys_lse_adaptive"])."""
     q = cap.q[h].astype(np.float64)
     Lq, D = q.shape
     nqb = -(-Lq // BQ)
     rows = np.zeros((nqb, 2, D))
     weight = np.zeros((nqb, 2))
     for qb in range(nqb):
-        x = q[qb * BQ:min(Lq, qb * BQ + BQ)]
-        if np.isfinite(tau) and np.linalg.norm(x.mean(axis=0)) >= tau * np.linalg.norm(x, axis=1).mean():
-            weight[qb, 0] = float(len(x))
-            rows[qb, 0] = x.mean(axis=0)
-            continue
-        a = x[np.argmax(((x - x.mean(axis=0)) ** 2).sum(axis=1))]
-        c = np.stack([a, x[np.argmax(((x - a) ** 2).sum(axis=1))]])
-        for _ in range(iters):
-            lab = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1)
-            c = np.stack([x[lab == g].mean(axis=0) if (lab == g).any() else c[g] for g in range(2)])
-        lab = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1)
-        for g in range(2):
-            weight[qb, g] = float((lab == g).sum())
-            if weight[qb, g]:
-                rows[qb, g] = x[lab == g].mean(axis=0)
+        for g, (size, row) in enumerate(split2_groups(q[qb * BQ:min(Lq, qb * BQ + BQ)], iters, tau, coh)):
+            weight[qb, g], rows[qb, g] = float(size), row
     last = np.minimum(np.arange(nqb) * BQ + BQ - 1, Lq - 1)
     return _group_block_scores(cap, h, rows, weight, np.stack([last, last], axis=1), combine)
 
@@ -443,8 +471,10 @@ ESTIMATORS = {
     # the library's SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 (the masses averaged), and its log-sum-exp variant
     "keys_lse_split2": lambda c, h: est_keys_lse_split2(c, h, "mass"),
     "keys_lse_split2_lse": lambda c, h: est_keys_lse_split2(c, h, "lse"),
-    # keys_lse_split2 on the blocks whose mean row is shorter than 0.75 of their rows' mean length only
-    "keys_lse_adaptive": lambda c, h: est_keys_lse_split2(c, h, "mass", tau=0.75),
+    # the library's SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE: keys_lse_split2 on the blocks whose mean row is
+    # shorter than 0.75 of their rows' mean length and whose two groups are coherent (their size-weighted
+    # mean length >= 0.3 of it) only, keys_lse on the others
+    "keys_lse_adaptive": lambda c, h: est_keys_lse_split2(c, h, "mass", tau=0.75, coh=0.3),
 }
 
 
@@ -533,12 +563,12 @@ def select(scores: np.ndarray, st: Setting, Lq: int, Lkv: int, causal: bool) -> 
     return mask
 
 
-LIBRARY_ESTIMATORS = ("mean", "keys_lse", "keys_lse_split2")
+LIBRARY_ESTIMATORS = ("mean", "keys_lse", "keys_lse_split2", "keys_lse_adaptive")
 
 
 def library_mask(cap: Capture, st: Setting) -> np.ndarray:
     """sparge.predict_mask (CPU backend, float32 inputs) for the library's estimators ("mean",
-    "keys_lse", "keys_lse_split2"): [Hq, nQB, nKB]."""
+    "keys_lse", "keys_lse_split2", "keys_lse_adaptive"): [Hq, nQB, nKB]."""
     from . import _api as sparge
 
     kw = dict(is_causal=cap.causal, scale=cap.sc, precision="exact", attention_sink=st.sink,
