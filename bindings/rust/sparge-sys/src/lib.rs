@@ -54,6 +54,7 @@ pub type sparge_estimator_t = c_int;
 pub const SPARGE_ESTIMATOR_MEAN: sparge_estimator_t = 0;
 pub const SPARGE_ESTIMATOR_KEYS_LSE: sparge_estimator_t = 1;
 pub const SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2: sparge_estimator_t = 2;
+pub const SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE: sparge_estimator_t = 3;
 
 // ---------------------------------------------------------------- structs
 /// A borrowed, strided tensor view (strides in elements).

@@ -259,6 +259,10 @@ pub enum Estimator {
     /// `KeysLse` for two groups of similar rows per query block, their block distributions averaged
     /// by group size (CPU plans only today: `Unsupported` on CUDA plans).
     KeysLseSplit2,
+    /// `KeysLseSplit2` on the query blocks whose mean row is short against their rows (shorter than
+    /// 0.75 of the rows' mean length) and whose two groups are coherent (their size-weighted mean
+    /// length at least 0.3 of it), `KeysLse` on the others: the cost follows the share of split blocks.
+    KeysLseAdaptive,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -462,6 +466,7 @@ impl PredictParams {
                 Estimator::Mean => sys::SPARGE_ESTIMATOR_MEAN,
                 Estimator::KeysLse => sys::SPARGE_ESTIMATOR_KEYS_LSE,
                 Estimator::KeysLseSplit2 => sys::SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2,
+                Estimator::KeysLseAdaptive => sys::SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE,
             },
         }
     }

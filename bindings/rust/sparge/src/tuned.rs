@@ -112,14 +112,15 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, TunedLayer>, TunedError> {
                 if w.len() != 14 || keys != ["heads", "causal", "mode", "sink", "window", "estimator"] {
                     return err(
                         i,
-                        "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W estimator keys_lse|keys_lse_split2|mean'",
+                        "expected 'layer NAME heads H causal 0|1 mode topk|cdf sink 0|1 window W estimator keys_lse|keys_lse_adaptive|keys_lse_split2|mean'",
                     );
                 }
                 let estimator = match w[13] {
                     "keys_lse" => Estimator::KeysLse,
+                    "keys_lse_adaptive" => Estimator::KeysLseAdaptive,
                     "keys_lse_split2" => Estimator::KeysLseSplit2,
                     "mean" => Estimator::Mean,
-                    e => return err(i, format!("estimator must be keys_lse, keys_lse_split2 or mean, got '{e}'")),
+                    e => return err(i, format!("estimator must be keys_lse, keys_lse_adaptive, keys_lse_split2 or mean, got '{e}'")),
                 };
                 let int = |s: &str| s.parse::<i64>().ok();
                 let (heads, causal, sink, window) = match (int(w[3]), int(w[5]), int(w[9]), int(w[11])) {
@@ -239,6 +240,13 @@ mod tests {
         let m = parse(&GOOD.replace("estimator keys_lse", "estimator keys_lse_split2")).unwrap();
         assert_eq!(m["L0"].estimator, Estimator::KeysLseSplit2);
         assert_eq!(m["L0"].predict_params().to_raw().estimator, crate::sys::SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2);
+    }
+
+    #[test]
+    fn reads_the_adaptive_estimator() {
+        let m = parse(&GOOD.replace("estimator keys_lse", "estimator keys_lse_adaptive")).unwrap();
+        assert_eq!(m["L0"].estimator, Estimator::KeysLseAdaptive);
+        assert_eq!(m["L0"].predict_params().to_raw().estimator, crate::sys::SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE);
     }
 
     #[test]

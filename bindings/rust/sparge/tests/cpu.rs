@@ -222,6 +222,61 @@ fn keys_lse_split2_keeps_both_groups_blocks() {
 }
 
 #[test]
+fn keys_lse_adaptive_splits_only_short_coherent_blocks() {
+    // The query block and keys of keys_lse_split2_keeps_both_groups_blocks. Its rows point apart
+    // (|mean| = 2 sqrt 2 < 0.75 * 4) in two coherent groups: KeysLseAdaptive splits it as KeysLseSplit2.
+    // With 4 e2 added to every row (no key has an e2 part: the same scores, the same two groups) the mean
+    // row is long (sqrt 24 >= 0.75 sqrt 32): the block keeps its one pooled row, as KeysLse.
+    let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
+    let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == usize::from(i / 4 >= 64) { 4.0 } else { 0.0 }).collect();
+    let q_long: Vec<f32> = q.iter().enumerate().map(|(i, &x)| if i % 4 == 2 { 4.0 } else { x }).collect();
+    let k: Vec<f32> = (0..256 * 4)
+        .map(|i| match (i / 4, i % 4) {
+            (64..=127, 0) => 1.5,
+            (128..=191, 1) => 1.5,
+            (192..=255, 0 | 1) => 1.0,
+            _ => 0.0,
+        })
+        .collect();
+    let predict = |q: &[f32], e: Estimator| {
+        let mut m = vec![0u8; 4];
+        let p = PredictParams { estimator: e, topk: 0.75, local_window: Some(0), ..Default::default() };
+        plan.predict_mask(q, &k, Some(&p), &mut m, None).unwrap();
+        m
+    };
+    assert_eq!(predict(&q, Estimator::KeysLseAdaptive), vec![1, 1, 1, 0]);
+    assert_eq!(predict(&q_long, Estimator::KeysLseSplit2), vec![1, 1, 1, 0]);
+    assert_eq!(predict(&q_long, Estimator::KeysLse), vec![1, 1, 0, 1]);
+    assert_eq!(predict(&q_long, Estimator::KeysLseAdaptive), vec![1, 1, 0, 1]);
+    assert_eq!(PredictParams { estimator: Estimator::KeysLseAdaptive, ..Default::default() }.to_raw().estimator,
+               sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE);
+}
+
+#[test]
+fn keys_lse_adaptive_keeps_incoherent_blocks_whole() {
+    // Uniform random rows: every block's mean row is short, but the two groups' means are short too
+    // (not coherent), so no block splits: KeysLseAdaptive's masks are KeysLse's, unlike KeysLseSplit2's
+    // (the rows scaled by 8: with small scores the two rules rank the blocks alike to first order).
+    let (hq, l, d) = (2, 1024, 64);
+    let plan = Plan::new(&exact_problem(1, hq, 1, l, l, d, false)).unwrap();
+    let mut r = Rng(17);
+    let q: Vec<f32> = r.vec((hq * l * d) as usize).iter().map(|x| 8.0 * x).collect();
+    let k = r.vec((l * d) as usize);
+    let n = plan.mask_shape().iter().product::<i64>() as usize;
+    let predict = |e: Estimator, mode: SelectMode| {
+        let mut m = vec![0u8; n];
+        let p = PredictParams { estimator: e, mode, topk: 0.25, cdf_threshold: 0.5, ..Default::default() };
+        plan.predict_mask(&q, &k, Some(&p), &mut m, None).unwrap();
+        m
+    };
+    for mode in [SelectMode::TopK, SelectMode::Cdf] {
+        let lse = predict(Estimator::KeysLse, mode);
+        assert_eq!(predict(Estimator::KeysLseAdaptive, mode), lse);
+        assert_ne!(predict(Estimator::KeysLseSplit2, mode), lse);
+    }
+}
+
+#[test]
 fn cdf_mode_and_per_head_topk() {
     let plan = Plan::new(&exact_problem(1, 2, 1, 256, 512, 16, false)).unwrap();
     let mut r = Rng(5);
