@@ -89,9 +89,21 @@ __device__ __forceinline__ float sum4(int n, F&& f) {
   return s.total();
 }
 
-// A vector's length: the square root of the sum4 of its squares.
-__device__ __forceinline__ float length32(const float* v, int n) {
-  return __fsqrt_rn(sum4(n, [&](int c) { return __fmul_rn(v[c], v[c]); }));
+// sum4 of f(i), i < n, by a whole warp: lane k < 4 forms partial k, the total goes to every lane.
+template <class F>
+__device__ __forceinline__ float warp_sum4(int n, F&& f) {
+  const int lane = threadIdx.x & 31;
+  float p = 0.0f;
+  if (lane < 4)
+    for (int i = lane; i < n; i += 4) p = __fadd_rn(p, f(i));
+  const float p1 = __shfl_sync(0xffffffffu, p, 1), p2 = __shfl_sync(0xffffffffu, p, 2),
+              p3 = __shfl_sync(0xffffffffu, p, 3), p0 = __shfl_sync(0xffffffffu, p, 0);
+  return __fadd_rn(__fadd_rn(p0, p1), __fadd_rn(p2, p3));
+}
+
+// A vector's length: the square root of the sum4 of its squares (a whole warp).
+__device__ __forceinline__ float warp_length(const float* v, int n) {
+  return __fsqrt_rn(warp_sum4(n, [&](int c) { return __fmul_rn(v[c], v[c]); }));
 }
 
 template <class T>
@@ -216,8 +228,8 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     for (int r = lr; r < kGThreads; r += RPI) {
       const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<VEC>(base + a.q.offset(b, h, r0 + r, cg * 8))
                                                : make_uint4(0, 0, 0, 0);
-      uint32_t* dst = reinterpret_cast<uint32_t*>(xs + r * Sm::kPitch + cg * 8);
-      dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+      uint2* dst = reinterpret_cast<uint2*>(xs + r * Sm::kPitch + cg * 8);  // (rows are 8-byte aligned)
+      dst[0] = make_uint2(v.x, v.y), dst[1] = make_uint2(v.z, v.w);
     }
   }
   __syncthreads();
@@ -242,9 +254,10 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     len[tid] = __fsqrt_rn(d.x);
     dmu = d.y;
     __syncthreads();  // the lengths
-    if (tid == 0) {
-      red_d[0] = __fdiv_rn(sum4(n, [&](int r) { return len[r]; }), float(n));
-      flag[0] = length32(mu, d_in) < __fmul_rn(0.75f, red_d[0]);
+    if (tid < 32) {  // warp 0
+      const float l = __fdiv_rn(warp_sum4(n, [&](int r) { return len[r]; }), float(n));
+      const bool split = warp_length(mu, d_in) < __fmul_rn(0.75f, l);
+      if (tid == 0) red_d[0] = l, flag[0] = split;
     }
     __syncthreads();
     ell = red_d[0];
@@ -268,26 +281,33 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   // the groups' means: the column sums (row order) / the group's size (0 for an empty group)
   for (int c = tid; c < d_in; c += kGThreads) {
     // (each group's sum4 over the block's rows, skipping the other group's: row r adds to partial r mod 4)
+    // (adding +0 for a row of the other group: a partial sum is never -0, so this is exact)
     Sum4 sa, sb;
-#pragma unroll 4
-    for (int r = 0; r < n; ++r) {
+    auto row = [&](int k, int r) {
       const float x = elem<T>(xs + r * Sm::kPitch + c);
-      if (lab[r])
-        sb.add(r & 3, x);
-      else
-        sa.add(r & 3, x);
+      const bool to_b = lab[r] != 0;
+      sa.add(k, to_b ? 0.0f : x);
+      sb.add(k, to_b ? x : 0.0f);
+    };
+    int r = 0;
+#pragma unroll 2
+    for (; r + 3 < n; r += 4) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) row(k, r + k);
     }
+#pragma unroll
+    for (int k = 0; k < 3; ++k)
+      if (r + k < n) row(k, r + k);
     gm[c] = na ? __fdiv_rn(sa.total(), float(na)) : 0.0f;
     gm[DK + c] = nb ? __fdiv_rn(sb.total(), float(nb)) : 0.0f;
   }
   if (a.adaptive) {
     // split only if the groups are coherent: (n_a |mean_a| + n_b |mean_b|) / n >= 0.3 l
     __syncthreads();
-    if (tid == 0) {
-      const float coh = __fdiv_rn(
-          __fadd_rn(__fmul_rn(float(na), length32(gm, d_in)), __fmul_rn(float(nb), length32(gm + DK, d_in))),
-          float(n));
-      flag[0] = coh >= __fmul_rn(0.3f, ell);
+    if (tid < 32) {  // warp 0
+      const float la = warp_length(gm, d_in), lb = warp_length(gm + DK, d_in);
+      const float coh = __fdiv_rn(__fadd_rn(__fmul_rn(float(na), la), __fmul_rn(float(nb), lb)), float(n));
+      if (tid == 0) flag[0] = coh >= __fmul_rn(0.3f, ell);
     }
     __syncthreads();
     if (!flag[0]) return one_group();  // uniform
