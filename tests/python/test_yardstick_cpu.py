@@ -166,10 +166,11 @@ def test_adaptive_rule_matches_the_library(rng, causal):
                          for h in range(cap.Hq)])
         # float32 rounding of the group means and scores may flip a near-tie row
         assert (lib["keys_lse_adaptive"] != mine).any(axis=-1).sum() <= 1, st.label()
-        # the library's masks: split2's rows on the split blocks, keys_lse's on the others
+        # the library's masks: split2's rows on the split blocks, keys_lse's on the others (their mean row is
+        # the grouping's float32 mean, keys_lse's pooled row the float64 mean rounded: a near-tie row may flip)
         adaptive, split2, lse = lib["keys_lse_adaptive"], lib["keys_lse_split2"], lib["keys_lse"]
         assert np.array_equal(adaptive[:, kind == 0], split2[:, kind == 0]), st.label()
-        assert np.array_equal(adaptive[:, kind != 0], lse[:, kind != 0]), st.label()
+        assert (adaptive[:, kind != 0] != lse[:, kind != 0]).any(axis=-1).sum() <= 1, st.label()
         for t in range(3):
             differs[t] += int((split2[:, kind == t] != lse[:, kind == t]).any(axis=-1).sum())
     assert (differs > 0).all(), differs  # on every kind of block, split2's masks are not keys_lse's

@@ -387,42 +387,57 @@ def est_keys_lse_maxnorm(cap: Capture, h: int, combine: str = "mass") -> np.ndar
                                np.stack([last, last], axis=1), combine)
 
 
+def _sum4(v: np.ndarray) -> np.ndarray:
+    """The library grouping's float32 sum over axis 0: four partial sums over the indices i = k (mod 4),
+    each in ascending i (np.cumsum: sequential, unlike np.sum's pairwise sums), added as
+    (p0 + p1) + (p2 + p3)."""
+    p = [np.cumsum(v[k::4], axis=0, dtype=np.float32)[-1] if len(v) > k else np.zeros(v.shape[1:], np.float32)
+         for k in range(4)]
+    return (p[0] + p[1]) + (p[2] + p[3])
+
+
 def split2_groups(x: np.ndarray, iters: int, tau: float, coh: float):
-    """The two groups of est_keys_lse_split2 for the rows x [n, D], in float64 and in the operation order
-    of the library's grouping (src/cpu/predict.cpp, split2_rows): sums in row order, squared lengths and
-    distances in column order (np.cumsum: sequential, unlike np.sum's pairwise sums), means as sum / n.
-    Returns [(size, mean row)] of one group (the block kept whole) or two (a size may be 0)."""
-    n = len(x)
-    mu = np.cumsum(x, axis=0)[-1] / n
+    """The two groups of est_keys_lse_split2 for the rows x [n, D], as the library forms them
+    (src/cpu/predict.cpp, split2_rows; the CUDA grouping kernel alike): in float32, every operation
+    rounded on its own, every sum a _sum4 (the column sums over the rows, the squared distances and
+    lengths over the columns, the rows' lengths), means as sum / n. With iters > 0 (not in the library)
+    the Lloyd steps run in float64. Returns [(size, mean row)] of one group (the block kept whole) or
+    two (a size may be 0); the mean rows are float32."""
+    f32 = np.float32
+    x = np.asarray(x, dtype=f32)
+    n, D = x.shape
+    mu = _sum4(x) / f32(n)
 
     def d2(ref: np.ndarray) -> np.ndarray:  # squared distance of every row to ref
         t = x - ref
-        return np.cumsum(t * t, axis=1)[:, -1]
+        return _sum4((t * t).T)
 
-    def length(v: np.ndarray) -> float:
-        return math.sqrt(np.cumsum(v * v)[-1])
+    def length(u: np.ndarray) -> np.float32:
+        return np.sqrt(_sum4(u * u))
 
-    ell = 0.0  # the rows' mean length
+    ell = f32(0.0)  # the rows' mean length
     if np.isfinite(tau) or coh > 0:
-        ell = np.cumsum(np.sqrt(d2(np.zeros(x.shape[1]))))[-1] / n
-    if np.isfinite(tau) and not length(mu) < tau * ell:
+        ell = _sum4(np.sqrt(d2(np.zeros(D, f32)))) / f32(n)
+    if np.isfinite(tau) and not length(mu) < f32(tau) * ell:
         return [(n, mu)]
-    a = x[np.argmax(d2(mu))]  # the first farthest row, as the library's strict comparison
-    b = x[np.argmax(d2(a))]
-    to_b = d2(b) < d2(a)  # ties to a
+    a = int(np.argmax(d2(mu)))  # the first farthest row, as the library's strict comparison
+    b = int(np.argmax(d2(x[a])))
+    to_b = d2(x[b]) < d2(x[a])  # ties to a
     if iters:
-        c = np.stack([a, b])
+        x64 = x.astype(np.float64)
+        c = x64[[a, b]]
         for _ in range(iters):
-            lab = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1)
-            c = np.stack([x[lab == g].mean(axis=0) if (lab == g).any() else c[g] for g in range(2)])
-        to_b = ((x[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1) == 1
-    groups = [(int(m.sum()), np.cumsum(x[m], axis=0)[-1] / m.sum() if m.any() else np.zeros(x.shape[1]))
-              for m in (~to_b, to_b)]
+            lab = ((x64[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1)
+            c = np.stack([x64[lab == g].mean(axis=0) if (lab == g).any() else c[g] for g in range(2)])
+        to_b = ((x64[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1) == 1
+    sizes = [int(n - to_b.sum()), int(to_b.sum())]
+    means = [_sum4(np.where(m[:, None], x, f32(0.0))) / f32(size) if size else np.zeros(D, f32)
+             for m, size in zip((~to_b, to_b), sizes)]
     if coh > 0:
-        coherence = (groups[0][0] * length(groups[0][1]) + groups[1][0] * length(groups[1][1])) / n
-        if not coherence >= coh * ell:
+        coherence = (f32(sizes[0]) * length(means[0]) + f32(sizes[1]) * length(means[1])) / f32(n)
+        if not coherence >= f32(coh) * ell:
             return [(n, mu)]
-    return groups
+    return list(zip(sizes, means))
 
 
 def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int = 0,
@@ -434,7 +449,7 @@ def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int 
     captures); each group pooled into one row, the two combined by `combine` with the groups' sizes as
     weights (see _group_block_scores); both see the keys of the block's last row (causal). Twice the
     multiply-adds of keys_lse in the scores, plus about (5 + 3 * iters) * BQ * D per block for the
-    grouping. The grouping follows the library's operation order (split2_groups).
+    grouping. The groups are the library's, bit for bit (split2_groups); the scores are float64.
 
     tau: split only the query blocks whose mean row is short against their rows,
     |mean(q)| < tau * mean(|q_i|) (rows that point apart); the others keep the one pooled row of
