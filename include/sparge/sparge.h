@@ -115,9 +115,10 @@ typedef enum sparge_estimator {
   SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 = 2, /* KEYS_LSE for two groups of similar rows per query block, their
                                           block distributions averaged by group size (about twice the
                                           prediction cost of KEYS_LSE) */
-  SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE = 3 /* KEYS_LSE_SPLIT2 on the query blocks whose rows point apart
-                                            and form two coherent groups, KEYS_LSE on the others (the
-                                            cost follows the share of split blocks) */
+  SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE = 3 /* KEYS_LSE_SPLIT2 on the query blocks whose mean row is 0.25
+                                            to 0.75 of their rows' length (rows that share a direction
+                                            but spread), KEYS_LSE on the others (the cost follows the
+                                            share of split blocks) */
 } sparge_estimator_t;
 
 /* ------------------------------------------------------------------ tensors */

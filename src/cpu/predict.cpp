@@ -103,9 +103,9 @@ float sum4(int64_t n, F&& f) {
 // (the CUDA kernel's operations): seed a is the row farthest from the rows' mean, seed b the row
 // farthest from a (the lowest index on equal distances); a row joins b when it is strictly nearer
 // to b than to a. Writes each group's mean (zeros for an empty group) and its number of rows.
-// adaptive (KEYS_LSE_ADAPTIVE): the rows stay one group (a) unless their mean is short, |mean| <
-// 0.75 l (l: the rows' mean length), and the two groups are coherent, (n_a |mean_a| + n_b
-// |mean_b|) / n >= 0.3 l.
+// adaptive (KEYS_LSE_ADAPTIVE): the rows stay one group (a) unless their mean is short but not
+// near zero, 0.25 l <= |mean| < 0.75 l (l: the rows' mean length; rows with no common direction,
+// such as independent noise, gain nothing from a split).
 void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptive, float* mean_a, float* mean_b,
                  int64_t* na, int64_t* nb) {
   const int64_t n = r1 - r0;
@@ -136,11 +136,11 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
     for (int64_t c = 0; c < D; ++c) mean_a[c] = mu[size_t(c)], mean_b[c] = 0.0f;
     *na = n, *nb = 0;
   };
-  float ell = 0.0f;  // the rows' mean length (the sum4 of the lengths in row order, / n)
   if (adaptive) {
-    ell = sum4(n, [&](int64_t i, float& v) { return v = std::sqrt(d2(r0 + i, [](int64_t) { return 0.0f; })), true; }) /
+    const float ell = sum4(n, [&](int64_t i, float& v) { return v = std::sqrt(d2(r0 + i, [](int64_t) { return 0.0f; })), true; }) /
           float(n);
-    if (!(length(mu) < 0.75f * ell)) return one_group();
+    const float m = length(mu);
+    if (!(m < 0.75f * ell && m >= 0.25f * ell)) return one_group();
   }
   const int64_t a = farthest([&](int64_t c) { return mu[size_t(c)]; });
   auto row_a = [&](int64_t c) { return x[a * D + c]; };
@@ -156,7 +156,6 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
     sa[size_t(c)] = ca ? ta / float(ca) : 0.0f;
     sb[size_t(c)] = cb ? tb / float(cb) : 0.0f;
   }
-  if (adaptive && !((float(ca) * length(sa) + float(cb) * length(sb)) / float(n) >= 0.3f * ell)) return one_group();
   for (int64_t c = 0; c < D; ++c) mean_a[c] = sa[size_t(c)], mean_b[c] = sb[size_t(c)];
   *na = ca, *nb = cb;
 }
