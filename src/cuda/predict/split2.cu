@@ -46,20 +46,21 @@ struct GroupArgs {
   bool adaptive;  // KEYS_LSE_ADAPTIVE: one group unless the rows' mean is 0.25 to 0.75 of their length
 };
 
-// Shared memory of the grouping kernel: the block's rows converted to float32, then vectors.
+// Shared memory of the grouping kernel: the block's rows as 16-bit values, then float32 vectors.
 template <int DK>
 struct GroupSmem {
-  // floats per row: thread r reads row r 16 bytes at a time, a warp in 4 phases of 8 lanes on banks
-  // (4r + c) mod 32 .. + 3: DK + 4 is 4 words past a multiple of 32 (DK a multiple of 64)
+  // 16-bit elements per row: thread r reads row r 8 bytes at a time (rows 8-byte aligned), a warp in
+  // 2 phases of 16 lanes on banks (2r + c/2, 2r + c/2 + 1) mod 32: DK + 4 is 2 words past a
+  // multiple of 32 words (DK a multiple of 64)
   static constexpr int kPitch = DK + 4;
-  static constexpr int kMu = kGThreads * kPitch * 4;  // float [DK]: the mean row
+  static constexpr int kMu = kGThreads * kPitch * 2;  // float [DK]: the mean row
   static constexpr int kGm = kMu + DK * 4;             // float [2][DK]: the groups' means
   static constexpr int kLen = kGm + 2 * DK * 4;        // float [128]: the rows' lengths (adaptive)
   static constexpr int kRedD = kLen + kGThreads * 4;   // float [4]: reductions
   static constexpr int kRedR = kRedD + 16;             // int [4]
   static constexpr int kFlag = kRedR + 16;             // int: the block splits (adaptive)
-  static constexpr int kLab = kFlag + 16;              // float [128]: 1 = group b, 0 = group a
-  static constexpr int kBytes = kLab + kGThreads * 4;
+  static constexpr int kLab = kFlag + 16;              // uchar [128]: 1 = group b
+  static constexpr int kBytes = kLab + kGThreads;
 };
 
 // Every float32 operation below is rounded on its own (no fused multiply-add), in the CPU
@@ -77,7 +78,7 @@ template <class F>
 __device__ __forceinline__ float sum4(int n, F&& f) {
   Sum4 s;
   int i = 0;
-#pragma unroll 4
+#pragma unroll 2
   for (; i + 3 < n; i += 4) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) s.add(k, f(i + k));
@@ -93,12 +94,10 @@ template <class F>
 __device__ __forceinline__ float warp_sum4(int n, F&& f) {
   const int lane = threadIdx.x & 31;
   float p = 0.0f;
-  if (lane < 4) {
-#pragma unroll 8
+  if (lane < 4)
     for (int i = lane; i < n; i += 4) p = __fadd_rn(p, f(i));
-  }
-  const float p0 = __shfl_sync(0xffffffffu, p, 0), p1 = __shfl_sync(0xffffffffu, p, 1),
-              p2 = __shfl_sync(0xffffffffu, p, 2), p3 = __shfl_sync(0xffffffffu, p, 3);
+  const float p1 = __shfl_sync(0xffffffffu, p, 1), p2 = __shfl_sync(0xffffffffu, p, 2),
+              p3 = __shfl_sync(0xffffffffu, p, 3), p0 = __shfl_sync(0xffffffffu, p, 0);
   return __fadd_rn(__fadd_rn(p0, p1), __fadd_rn(p2, p3));
 }
 
@@ -107,40 +106,43 @@ __device__ __forceinline__ float warp_length(const float* v, int n) {
   return __fsqrt_rn(warp_sum4(n, [&](int c) { return __fmul_rn(v[c], v[c]); }));
 }
 
-// 8 16-bit values as floats.
 template <class T>
-__device__ __forceinline__ void to_float8(const uint4 v, float4& lo, float4& hi) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  float f[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (std::is_same<T, __half>::value) {
-      __half2 h;
-      *reinterpret_cast<uint32_t*>(&h) = w[i];
-      const float2 t = __half22float2(h);
-      f[2 * i] = t.x, f[2 * i + 1] = t.y;
-    } else {
-      f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-  lo = make_float4(f[0], f[1], f[2], f[3]);
-  hi = make_float4(f[4], f[5], f[6], f[7]);
+__device__ __forceinline__ float elem(const unsigned short* x) {
+  if constexpr (std::is_same<T, __half>::value)
+    return __half2float(__ushort_as_half(*x));
+  else
+    return __uint_as_float(uint32_t(*x) << 16);
 }
 
-// Squared Euclidean distance of a row to ref: the sum4 over the columns of (x_c - ref_c)^2 (ref ==
-// nullptr: the zero vector, the row's squared length). Row and ref 16-byte aligned.
-template <int DK>
-__device__ __forceinline__ float dist2(const float* row, const float* ref, int d_in) {
+// Elements c .. c + 3 of a row (c a multiple of 4: one 64-bit shared load).
+template <class T>
+__device__ __forceinline__ float4 elem4(const unsigned short* x) {
+  const uint2 w = *reinterpret_cast<const uint2*>(x);
+  if constexpr (std::is_same<T, __half>::value) {
+    __half2 h0, h1;
+    *reinterpret_cast<uint32_t*>(&h0) = w.x;
+    *reinterpret_cast<uint32_t*>(&h1) = w.y;
+    const float2 a = __half22float2(h0), b = __half22float2(h1);
+    return make_float4(a.x, a.y, b.x, b.y);
+  } else {
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                       __uint_as_float(w.y & 0xffff0000u));
+  }
+}
+
+// Squared Euclidean distance of a row to a reference: the sum4 over the columns of (x_c - r_c)^2.
+// ref(c) gives r_c .. r_{c+3} (c a multiple of 4) as a float4, ref1(c) one value.
+template <class T, class Ref4, class Ref1>
+__device__ __forceinline__ float dist2_to(const unsigned short* row, int d_in, Ref4&& ref, Ref1&& ref1) {
   Sum4 s;
   auto term = [&](int k, float x, float m) {
-    const float t = ref ? __fsub_rn(x, m) : x;
+    const float t = __fsub_rn(x, m);
     s.add(k, __fmul_rn(t, t));
   };
   int c = 0;
-#pragma unroll 4
+#pragma unroll 2
   for (; c + 3 < d_in; c += 4) {
-    const float4 x = *reinterpret_cast<const float4*>(row + c);
-    const float4 m = ref ? *reinterpret_cast<const float4*>(ref + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 x = elem4<T>(row + c), m = ref(c);
     term(0, x.x, m.x);
     term(1, x.y, m.y);
     term(2, x.z, m.z);
@@ -148,8 +150,24 @@ __device__ __forceinline__ float dist2(const float* row, const float* ref, int d
   }
 #pragma unroll
   for (int k = 0; k < 3; ++k)
-    if (c + k < d_in) term(k, row[c + k], ref ? ref[c + k] : 0.f);
+    if (c + k < d_in) term(k, elem<T>(row + c + k), ref1(c + k));
   return s.total();
+}
+
+// ... to a float32 row (16-byte aligned), to another row of the block, and to zero (the squared
+// length; x - 0 is x).
+template <class T>
+__device__ __forceinline__ float dist2(const unsigned short* row, const float* ref, int d_in) {
+  return dist2_to<T>(row, d_in, [&](int c) { return *reinterpret_cast<const float4*>(ref + c); },
+                     [&](int c) { return ref[c]; });
+}
+template <class T>
+__device__ __forceinline__ float dist2(const unsigned short* row, const unsigned short* ref, int d_in) {
+  return dist2_to<T>(row, d_in, [&](int c) { return elem4<T>(ref + c); }, [&](int c) { return elem<T>(ref + c); });
+}
+template <class T>
+__device__ __forceinline__ float norm2(const unsigned short* row, int d_in) {
+  return dist2_to<T>(row, d_in, [](int) { return make_float4(0.f, 0.f, 0.f, 0.f); }, [](int) { return 0.f; });
 }
 
 // The farthest row: the largest distance, the lowest row on equal distances; NaN distances (and
@@ -182,21 +200,21 @@ __device__ __forceinline__ int farthest(float d, int r, float* red_d, int* red_r
 }
 
 // CTA: one per (b, h, query block); thread r owns row r of the block in the distance passes and
-// column c (c = tid, tid + 128) in the column sums. The block's rows sit in shared memory as
-// float32 (the 16-bit inputs exactly).
+// column c (c = tid, tid + 128) in the column sums. The block's rows sit in shared memory as the
+// input's 16-bit values.
 template <int DK, class T, bool VEC>
 __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   using Sm = GroupSmem<DK>;
   extern __shared__ __align__(16) unsigned char g_smem[];
-  float* xs = reinterpret_cast<float*>(g_smem);  // [128][kPitch]
+  unsigned short* xs = reinterpret_cast<unsigned short*>(g_smem);  // [128][kPitch]
   float* mu = reinterpret_cast<float*>(g_smem + Sm::kMu);
   float* gm = reinterpret_cast<float*>(g_smem + Sm::kGm);
   float* len = reinterpret_cast<float*>(g_smem + Sm::kLen);
   float* red_d = reinterpret_cast<float*>(g_smem + Sm::kRedD);
   int* red_r = reinterpret_cast<int*>(g_smem + Sm::kRedR);
   int* flag = reinterpret_cast<int*>(g_smem + Sm::kFlag);
-  float* lab = reinterpret_cast<float*>(g_smem + Sm::kLab);
+  unsigned char* lab = g_smem + Sm::kLab;
 
   const int64_t cta = blockIdx.x;
   const int64_t qb = cta % a.nQB, bh = cta / a.nQB;
@@ -208,45 +226,35 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   float* out = a.rows + (bh * a.nQB + qb) * 2 * DK;
   float* cnt = a.count + (bh * a.nQB + qb) * 2;
 
-  // the block's rows as floats (zeros past n and past d_in): all loads of a batch in flight first
+  // the block's rows (zeros past n and past d_in)
   {
-    constexpr int TPR = DK / 8, RPI = kGThreads / TPR, kIter = kGThreads / RPI, kBatch = kIter < 8 ? kIter : 8;
+    constexpr int TPR = DK / 8, RPI = kGThreads / TPR;
     const int lr = tid / TPR, cg = tid % TPR;
     const T* base = static_cast<const T*>(a.q.data);
-#pragma unroll
-    for (int i0 = 0; i0 < kIter; i0 += kBatch) {
-      uint4 v[kBatch];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int r = lr + (i0 + i) * RPI;
-        v[i] = (r < n && cg * 8 < d_in) ? load8_raw<VEC>(base + a.q.offset(b, h, r0 + r, cg * 8))
-                                        : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        float4 lo, hi;
-        to_float8<T>(v[i], lo, hi);
-        float4* dst = reinterpret_cast<float4*>(xs + (lr + (i0 + i) * RPI) * Sm::kPitch + cg * 8);
-        dst[0] = lo, dst[1] = hi;
-      }
+    for (int r = lr; r < kGThreads; r += RPI) {
+      const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<VEC>(base + a.q.offset(b, h, r0 + r, cg * 8))
+                                               : make_uint4(0, 0, 0, 0);
+      uint2* dst = reinterpret_cast<uint2*>(xs + r * Sm::kPitch + cg * 8);  // (rows are 8-byte aligned)
+      dst[0] = make_uint2(v.x, v.y), dst[1] = make_uint2(v.z, v.w);
     }
   }
   __syncthreads();
   // the mean row (column sums in row order, then / n)
-  for (int c = tid; c < d_in; c += kGThreads)
-    mu[c] = __fdiv_rn(sum4(n, [&](int r) { return xs[r * Sm::kPitch + c]; }), float(n));
-  const float* mine = xs + tid * Sm::kPitch;
+  for (int c = tid; c < d_in; c += kGThreads) {
+    mu[c] = __fdiv_rn(sum4(n, [&](int r) { return elem<T>(xs + r * Sm::kPitch + c); }), float(n));
+  }
+  const unsigned short* mine = xs + tid * Sm::kPitch;
   const bool real = tid < n;
-  // adaptive: l, the rows' mean length (the sum4 of the lengths in row order, / n); one group
-  // unless 0.25 l <= |mean| < 0.75 l (decided by warp 0)
   auto one_group = [&] {  // group a: every row, its mean the block's
     for (int c = tid; c < DK; c += kGThreads) out[c] = c < d_in ? mu[c] : 0.0f, out[DK + c] = 0.0f;
     if (tid == 0) cnt[0] = float(n), cnt[1] = 0.0f;
   };
   if (a.adaptive) {
-    len[tid] = real ? __fsqrt_rn(dist2<DK>(mine, nullptr, d_in)) : 0.0f;
+    // l, the rows' mean length (the sum4 of the lengths in row order, / n); one group unless
+    // 0.25 l <= |mean| < 0.75 l (decided by warp 0)
+    len[tid] = real ? __fsqrt_rn(norm2<T>(mine, d_in)) : 0.0f;
     __syncthreads();  // the lengths and the mean row
-    if (tid < 32) {   // warp 0
+    if (tid < 32) {
       const float l = __fdiv_rn(warp_sum4(n, [&](int r) { return len[r]; }), float(n));
       const float m = warp_length(mu, d_in);
       if (tid == 0) flag[0] = m < __fmul_rn(0.75f, l) && m >= __fmul_rn(0.25f, l);
@@ -256,24 +264,25 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   } else {
     __syncthreads();  // the mean row
   }
-  // seed a: farthest from the mean; seed b: farthest from a
-  const int ra = farthest(real ? dist2<DK>(mine, mu, d_in) : -1.0f, tid, red_d, red_r);
-  const float* row_a = xs + ra * Sm::kPitch;  // (rows stay in place: the seeds are read there)
-  const float da = real ? dist2<DK>(mine, row_a, d_in) : -1.0f;
+  // seed a: farthest from the mean; seed b: farthest from a (the seeds read in place)
+  const int ra = farthest(real ? dist2<T>(mine, mu, d_in) : -1.0f, tid, red_d, red_r);
+  const float da = real ? dist2<T>(mine, xs + ra * Sm::kPitch, d_in) : -1.0f;
   const int rb = farthest(da, tid, red_d, red_r);
   // a row joins b when strictly nearer to b than to a (NaN: stays with a)
-  const bool to_b = real && dist2<DK>(mine, xs + rb * Sm::kPitch, d_in) < da;
-  lab[tid] = to_b ? 1.0f : 0.0f;
+  const bool to_b = real && dist2<T>(mine, xs + rb * Sm::kPitch, d_in) < da;
+  lab[tid] = to_b ? 1 : 0;
   const int nb = __syncthreads_count(to_b);
   const int na = n - nb;
-  // the groups' means: each group's sum4 over the block's rows (row r adds to partial r mod 4; a row
-  // of the other group adds +0, exact: a partial sum is never -0), / the group's size
+  // the groups' means: the column sums (row order) / the group's size (0 for an empty group)
   for (int c = tid; c < d_in; c += kGThreads) {
+    // (each group's sum4 over the block's rows, skipping the other group's: row r adds to partial r mod 4)
+    // (adding +0 for a row of the other group: a partial sum is never -0, so this is exact)
     Sum4 sa, sb;
     auto row = [&](int k, int r) {
-      const float x = xs[r * Sm::kPitch + c], lb = lab[r];
-      sa.add(k, lb != 0.0f ? 0.0f : x);
-      sb.add(k, lb != 0.0f ? x : 0.0f);
+      const float x = elem<T>(xs + r * Sm::kPitch + c);
+      const bool to_b = lab[r] != 0;
+      sa.add(k, to_b ? 0.0f : x);
+      sb.add(k, to_b ? x : 0.0f);
     };
     int r = 0;
 #pragma unroll 2
