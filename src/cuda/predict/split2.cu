@@ -13,8 +13,8 @@
 //      the first group's scores into the score region, the second group's into the index-list region
 //      (free until the selection writes the lists, after step 3 has read it);
 //   3. split2_combine_kernel: per row, each group's scores normalized over the visible blocks and
-//      their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)), in float64, rounded to
-//      float32 into the score region, which the selection then ranks as KEYS_LSE scores
+//      their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)), in float32 into the score
+//      region, which the selection then ranks as KEYS_LSE scores
 //      (KEYS_LSE_ADAPTIVE: rows of one group keep the KEYS_LSE scores of step 2).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -358,10 +358,12 @@ struct CombineArgs {
 
 constexpr int kCWarps = 4;  // rows per CTA, a warp each
 
-// One warp per (bh, qb) row. Per group g of n_g > 0 rows: m_g = the largest visible score (NaN
-// ignored), norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is infinite: the CPU's arithmetic),
-// u_g = s_g + (log(n_g / n) - norm_g); the block's score is float32(m + log sum_g exp(u_g - m)),
-// m = max_g u_g, or NaN where some u_g is not finite.
+// One warp per (bh, qb) row, in float32 (the CPU reference: float64; the two differ by float32
+// roundings, within the block scores' own tolerance). Per group g of n_g > 0 rows: m_g = the
+// largest visible score (NaN ignored), norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is
+// infinite: the CPU's arithmetic), u_g = s_g + (log(n_g / n) - norm_g); the block's score is
+// m + log(1 + exp(o - m)), m and o the larger and the smaller u_g (u_0 alone with one group), or
+// NaN where some u_g is not finite.
 __global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const CombineArgs a) {
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   const Problem& p = a.prob;
@@ -375,37 +377,31 @@ __global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const Comb
   const float* s1 = a.scores2 + row * p.nKB;
   const float n0 = a.count[2 * row], n1 = a.count[2 * row + 1];
   if (a.adaptive && !(n1 > 0.f)) return;  // warp-uniform
-  const double n = double(n0) + double(n1);
-  double shift[2] = {0.0, 0.0};  // log(n_g / n) - norm_g
+  const float n = n0 + n1;  // (integers <= 128: exact)
+  float shift[2] = {0.0f, 0.0f};  // log(n_g / n) - norm_g
   const bool has[2] = {n0 > 0.f, n1 > 0.f};
 #pragma unroll
   for (int g = 0; g < 2; ++g) {
     if (!has[g]) continue;  // warp-uniform
     const float* s = g ? s1 : s0;
-    double m = -INFINITY;
-    for (int64_t kb = lane; kb < vis; kb += 32) m = fmax(m, double(s[kb]));
+    float m = -INFINITY;
+    for (int64_t kb = lane; kb < vis; kb += 32) m = fmaxf(m, s[kb]);
     m = warp_max(m);
-    double sum = 0.0;
-    for (int64_t kb = lane; kb < vis; kb += 32) sum += exp(double(s[kb]) - m);
+    float sum = 0.0f;
+    for (int64_t kb = lane; kb < vis; kb += 32) sum += expf(s[kb] - m);
     sum = warp_sum(sum);
-    const double norm = m + log(sum);
-    shift[g] = log(double(g ? n1 : n0) / n) - norm;
+    shift[g] = logf((g ? n1 : n0) / n) - (m + logf(sum));
   }
   for (int64_t kb = lane; kb < vis; kb += 32) {
-    double u[2] = {0.0, 0.0}, m = -INFINITY;
-    bool bad = false;
-#pragma unroll
-    for (int g = 0; g < 2; ++g)
-      if (has[g]) {
-        u[g] = double((g ? s1 : s0)[kb]) + shift[g];
-        bad |= !isfinite(u[g]);
-        m = fmax(m, u[g]);
-      }
-    double sum = 0.0;
-#pragma unroll
-    for (int g = 0; g < 2; ++g)
-      if (has[g]) sum += exp(u[g] - m);
-    s0[kb] = bad ? NAN : float(m + log(sum));
+    const float u0 = has[0] ? s0[kb] + shift[0] : 0.0f, u1 = has[1] ? s1[kb] + shift[1] : 0.0f;
+    float r;
+    if ((has[0] && !isfinite(u0)) || (has[1] && !isfinite(u1)))
+      r = NAN;
+    else if (has[0] && has[1])
+      r = fmaxf(u0, u1) + log1pf(expf(fminf(u0, u1) - fmaxf(u0, u1)));
+    else
+      r = has[0] ? u0 : u1;
+    s0[kb] = r;
   }
 }
 
