@@ -207,7 +207,12 @@ static const char* precision_name(sparge_precision_t p) {
   return "?";
 }
 
-static const char* estimator_name(int e) { return e == SPARGE_ESTIMATOR_MEAN ? "mean" : "keys_lse"; }
+static const char* estimator_name(int e) {
+  return e == SPARGE_ESTIMATOR_MEAN               ? "mean"
+         : e == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2   ? "keys_lse_split2"
+         : e == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE ? "keys_lse_adaptive"
+                                                   : "keys_lse";
+}
 
 /* ------------------------------------------------------------------ random numbers */
 
@@ -319,8 +324,11 @@ static void usage(FILE* f) {
           "  --window W             keep the diagonal key blocks and W-1 more per side (default: 2 when\n"
           "                         causal, 1 otherwise; 0: off)\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
-          "  --estimator keys_lse|mean  block importance (default keys_lse: pooled q against every\n"
-          "                         key; mean: pooled q against pooled k, the SpargeAttn rule)\n"
+          "  --estimator keys_lse|keys_lse_adaptive|keys_lse_split2|mean\n"
+          "                         block importance (default keys_lse: pooled q against every\n"
+          "                         key; keys_lse_split2: two groups of rows per query block;\n"
+          "                         keys_lse_adaptive: split2 where a block's rows spread;\n"
+          "                         mean: pooled q against pooled k, the SpargeAttn rule)\n"
           "  --precision auto|int8_fp8|int8_fp8_split_v|int8_fp16|fp16|exact\n"
           "                         (default auto: int8_fp8 on sm_90 at long sequences, else\n"
           "                         fp16, reported in the output; int8_fp8_split_v: V as two e4m3 terms,\n"
@@ -483,10 +491,14 @@ static void parse_args(int argc, char** argv, options_t* o) {
     const sparge_predict_params_t def = SPARGE_PREDICT_PARAMS_INIT;
     o->estimator = def.estimator; /* the library's default */
   }
+      else if (v && !strcmp(v, "keys_lse_split2"))
+        o->estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
+      else if (v && !strcmp(v, "keys_lse_adaptive"))
+        o->estimator = SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
       else if (v && !strcmp(v, "mean"))
         o->estimator = SPARGE_ESTIMATOR_MEAN;
       else
-        die(2, "--estimator: expected keys_lse or mean, got '%s'", v ? v : "");
+        die(2, "--estimator: expected keys_lse, keys_lse_adaptive, keys_lse_split2 or mean, got '%s'", v ? v : "");
     } else if (!strcmp(flag, "--precision")) {
       const char* v = VALUE();
       size_t i = 0;
