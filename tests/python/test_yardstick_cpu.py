@@ -116,22 +116,24 @@ def test_adaptive_split_spans_keys_lse_and_split2(rng, causal):
             assert (some[~short] != lse[~short]).any(axis=-1).sum() <= 1
 
 
-def _adaptive_capture(rng, causal, Hq=2, nqb=9, D=32):
-    """Query blocks of three kinds (qb % 3), each with three key blocks of its own (key blocks 3 qb..3 qb + 2,
+def _adaptive_capture(rng, causal, Hq=2, nqb=12, D=32):
+    """Query blocks of four kinds (qb % 4), each with three key blocks of its own (key blocks 3 qb..3 qb + 2,
     visible to it when causal), 2 * (c_1, c_2, the unit bisector of c_1 and c_2) in a random order, scale 1:
-    0: two clusters 4 c_1, 4 c_2 at 120 degrees (mean row short, groups coherent: split);
-    1: the same at 70 degrees (mean row long: kept whole);
-    2: random rows (mean row short, groups not coherent: kept whole).
+    0: two clusters 4 c_1, 4 c_2 at 120 degrees (|mean| = 0.5 of the rows' length: split);
+    1: the same at 70 degrees (|mean| = 0.82 of it, long: kept whole);
+    2: independent random rows (|mean| about 1/sqrt(128) = 0.09 of it, near zero: kept whole);
+    3: two clusters at 160 degrees (|mean| = 0.17 of it, below 0.25: kept whole, though its two groups are
+       as tight as kind 0's).
     The pooled row of keys_lse ranks the bisector's block first, each group of split2 its own cluster's."""
     nkb = 3 * nqb + 3
     q = np.zeros((Hq, nqb * 128, D))
     kb = 0.5 * rng.standard_normal((nkb, D))
     for qb in range(nqb):
         u, v = np.linalg.qr(rng.standard_normal((D, 2)))[0].T
-        ang = np.deg2rad(120 if qb % 3 == 0 else 70)
+        ang = np.deg2rad((120, 70, 0, 160)[qb % 4])
         c = np.stack([u, np.cos(ang) * u + np.sin(ang) * v])
         for h in range(Hq):
-            if qb % 3 == 2:
+            if qb % 4 == 2:
                 x = 3.0 * rng.standard_normal((128, D))
             else:
                 x = 4.0 * c[rng.permutation(np.arange(128) % 2)] + 0.1 * rng.standard_normal((128, D))
@@ -147,15 +149,17 @@ def _adaptive_capture(rng, causal, Hq=2, nqb=9, D=32):
 def test_adaptive_rule_matches_the_library(rng, causal):
     cap = _adaptive_capture(rng, causal)
     Lq, Lkv = cap.q.shape[1], cap.k.shape[1]
-    kind = np.arange(Lq // 128) % 3
-    # the twin's grouping: kind 0 splits; kind 1 fails the short-mean condition, kind 2 the coherence one
+    kind = np.arange(Lq // 128) % 4
+    # the twin's grouping: kind 0 splits; kind 1 fails the upper bound (|mean| < 0.75 l), kinds 2 and 3 the
+    # lower one (|mean| >= 0.25 l)
     for h in range(cap.Hq):
         x = cap.q[h].astype(np.float64)
         for qb in range(Lq // 128):
             rows = x[qb * 128:(qb + 1) * 128]
-            assert len(Y.split2_groups(rows, 0, 0.75, 0.3)) == (2 if kind[qb] == 0 else 1)
+            assert len(Y.split2_groups(rows, 0, 0.75, 0.25)) == (2 if kind[qb] == 0 else 1)
             assert len(Y.split2_groups(rows, 0, 0.75, 0.0)) == (1 if kind[qb] == 1 else 2)
-    differs = np.zeros(3, dtype=int)
+            assert len(Y.split2_groups(rows, 0, np.inf, 0.25)) == (1 if kind[qb] in (2, 3) else 2)
+    differs = np.zeros(4, dtype=int)
     for st in (Y.Setting(topk=0.05, sink=False, window=0), Y.Setting(topk=None, cdf=0.5, sink=False, window=0),
                Y.Setting(topk=0.3), Y.Setting(topk=None, cdf=0.9)):
         lib = {}
@@ -171,7 +175,7 @@ def test_adaptive_rule_matches_the_library(rng, causal):
         adaptive, split2, lse = lib["keys_lse_adaptive"], lib["keys_lse_split2"], lib["keys_lse"]
         assert np.array_equal(adaptive[:, kind == 0], split2[:, kind == 0]), st.label()
         assert (adaptive[:, kind != 0] != lse[:, kind != 0]).any(axis=-1).sum() <= 1, st.label()
-        for t in range(3):
+        for t in range(4):
             differs[t] += int((split2[:, kind == t] != lse[:, kind == t]).any(axis=-1).sum())
     assert (differs > 0).all(), differs  # on every kind of block, split2's masks are not keys_lse's
 
@@ -181,7 +185,7 @@ def test_adaptive_rule_matches_the_library(rng, causal):
 def test_adaptive_twin_on_real_captures(path):
     cap = Y.load(path)
     Lq, Lkv = cap.q.shape[1], cap.k.shape[1]
-    split = [len(Y.split2_groups(cap.q[h, i:i + 128].astype(np.float64), 0, 0.75, 0.3)) == 2
+    split = [len(Y.split2_groups(cap.q[h, i:i + 128].astype(np.float64), 0, 0.75, 0.25)) == 2
              for h in range(cap.Hq) for i in range(0, Lq, 128)]
     if "dinov2" in os.path.basename(path):
         assert 0 < sum(split) < len(split)  # a vision transformer: some blocks split, some not

@@ -314,9 +314,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
             per key block; closest to the oracle mask, docs/ACCURACY.md), "keys_lse_split2" (keys_lse for
             two groups of similar rows per query block, their block distributions averaged: closer still
             on vision transformers at about twice the prediction cost), "keys_lse_adaptive"
-            (keys_lse_split2 on the query blocks whose mean row is short against their rows, |mean| <
-            0.75 of the rows' mean length, and whose two groups are coherent, their size-weighted mean
-            length >= 0.3 of it; keys_lse on the others, so the cost follows the share of split blocks)
+            (keys_lse_split2 on the query blocks whose mean row is short against their rows but not near
+            zero, 0.25 <= |mean| / the rows' mean length < 0.75: rows that share a direction but spread;
+            keys_lse on the others, so the cost follows the share of split blocks)
             or "mean" (mean-pooled Q and K, the original SpargeAttn rule).
         precision: ``"auto"`` (default: ``"int8_fp8"`` on compute capability 9.0 when head_dim <= 128
             and the sequence is long enough for its preparation passes to pay off, an effective length

@@ -396,13 +396,15 @@ def _sum4(v: np.ndarray) -> np.ndarray:
     return (p[0] + p[1]) + (p[2] + p[3])
 
 
-def split2_groups(x: np.ndarray, iters: int, tau: float, coh: float):
+def split2_groups(x: np.ndarray, iters: int, tau: float, lo: float = 0.0):
     """The two groups of est_keys_lse_split2 for the rows x [n, D], as the library forms them
     (src/cpu/predict.cpp, split2_rows; the CUDA grouping kernel alike): in float32, every operation
     rounded on its own, every sum a _sum4 (the column sums over the rows, the squared distances and
-    lengths over the columns, the rows' lengths), means as sum / n. With iters > 0 (not in the library)
-    the Lloyd steps run in float64. Returns [(size, mean row)] of one group (the block kept whole) or
-    two (a size may be 0); the mean rows are float32."""
+    lengths over the columns, the rows' lengths), means as sum / n. The rows stay one group unless
+    lo * l <= |mean| < tau * l (l: the rows' mean length; the bounds rounded to float32 products as the
+    library's; tau = inf, lo = 0: always split). With iters > 0 (not in the library) the Lloyd steps run
+    in float64. Returns [(size, mean row)] of one group (the block kept whole) or two (a size may be 0);
+    the mean rows are float32."""
     f32 = np.float32
     x = np.asarray(x, dtype=f32)
     n, D = x.shape
@@ -412,14 +414,11 @@ def split2_groups(x: np.ndarray, iters: int, tau: float, coh: float):
         t = x - ref
         return _sum4((t * t).T)
 
-    def length(u: np.ndarray) -> np.float32:
-        return np.sqrt(_sum4(u * u))
-
-    ell = f32(0.0)  # the rows' mean length
-    if np.isfinite(tau) or coh > 0:
-        ell = _sum4(np.sqrt(d2(np.zeros(D, f32)))) / f32(n)
-    if np.isfinite(tau) and not length(mu) < f32(tau) * ell:
-        return [(n, mu)]
+    if np.isfinite(tau) or lo > 0:
+        ell = _sum4(np.sqrt(d2(np.zeros(D, f32)))) / f32(n)  # the rows' mean length
+        m = np.sqrt(_sum4(mu * mu))  # the mean row's length
+        if not ((not np.isfinite(tau) or m < f32(tau) * ell) and m >= f32(lo) * ell):
+            return [(n, mu)]
     a = int(np.argmax(d2(mu)))  # the first farthest row, as the library's strict comparison
     b = int(np.argmax(d2(x[a])))
     to_b = d2(x[b]) < d2(x[a])  # ties to a
@@ -433,15 +432,11 @@ def split2_groups(x: np.ndarray, iters: int, tau: float, coh: float):
     sizes = [int(n - to_b.sum()), int(to_b.sum())]
     means = [_sum4(np.where(m[:, None], x, f32(0.0))) / f32(size) if size else np.zeros(D, f32)
              for m, size in zip((~to_b, to_b), sizes)]
-    if coh > 0:
-        coherence = (f32(sizes[0]) * length(means[0]) + f32(sizes[1]) * length(means[1])) / f32(n)
-        if not coherence >= f32(coh) * ell:
-            return [(n, mu)]
     return list(zip(sizes, means))
 
 
 def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int = 0,
-                        tau: float = np.inf, coh: float = 0.0) -> np.ndarray:
+                        tau: float = np.inf, lo: float = 0.0) -> np.ndarray:
     """keys_lse with each query block split into two groups of similar rows instead of two halves:
     seeds a (the row farthest from the block mean) and b (the row farthest from a), each row to the
     nearer seed (to b only when strictly nearer; a hyperplane split: the sign of
@@ -453,17 +448,18 @@ def est_keys_lse_split2(cap: Capture, h: int, combine: str = "mass", iters: int 
 
     tau: split only the query blocks whose mean row is short against their rows,
     |mean(q)| < tau * mean(|q_i|) (rows that point apart); the others keep the one pooled row of
-    keys_lse (tau = 0: keys_lse's masks; inf: every block split). coh: split only where the two groups
-    are coherent, (n_a |mean_a| + n_b |mean_b|) / n >= coh * mean(|q_i|) (0: no such condition). The
-    extra multiply-adds scale with the share of split blocks. tau = 0.75, coh = 0.3: the library's
-    SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE (ESTIMATORS["keys_lse_adaptive"])."""
+    keys_lse, the grouping's float32 mean row (tau = 0: keys_lse's masks up to near-ties; inf: every
+    block split). lo: nor those whose mean row is near zero, |mean(q)| < lo * mean(|q_i|) (rows with no
+    common direction, such as independent noise; 0: no such bound). The extra multiply-adds scale with
+    the share of split blocks. tau = 0.75, lo = 0.25: the library's SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE
+    (ESTIMATORS["keys_lse_adaptive"])."""
     q = cap.q[h].astype(np.float64)
     Lq, D = q.shape
     nqb = -(-Lq // BQ)
     rows = np.zeros((nqb, 2, D))
     weight = np.zeros((nqb, 2))
     for qb in range(nqb):
-        for g, (size, row) in enumerate(split2_groups(q[qb * BQ:min(Lq, qb * BQ + BQ)], iters, tau, coh)):
+        for g, (size, row) in enumerate(split2_groups(q[qb * BQ:min(Lq, qb * BQ + BQ)], iters, tau, lo)):
             weight[qb, g], rows[qb, g] = float(size), row
     last = np.minimum(np.arange(nqb) * BQ + BQ - 1, Lq - 1)
     return _group_block_scores(cap, h, rows, weight, np.stack([last, last], axis=1), combine)
@@ -487,9 +483,8 @@ ESTIMATORS = {
     "keys_lse_split2": lambda c, h: est_keys_lse_split2(c, h, "mass"),
     "keys_lse_split2_lse": lambda c, h: est_keys_lse_split2(c, h, "lse"),
     # the library's SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE: keys_lse_split2 on the blocks whose mean row is
-    # shorter than 0.75 of their rows' mean length and whose two groups are coherent (their size-weighted
-    # mean length >= 0.3 of it) only, keys_lse on the others
-    "keys_lse_adaptive": lambda c, h: est_keys_lse_split2(c, h, "mass", tau=0.75, coh=0.3),
+    # 0.25 to 0.75 of their rows' mean length (0.25 l <= |mean| < 0.75 l), keys_lse on the others
+    "keys_lse_adaptive": lambda c, h: est_keys_lse_split2(c, h, "mass", tau=0.75, lo=0.25),
 }
 
 

@@ -259,9 +259,9 @@ pub enum Estimator {
     /// `KeysLse` for two groups of similar rows per query block, their block distributions averaged
     /// by group size (CPU plans only today: `Unsupported` on CUDA plans).
     KeysLseSplit2,
-    /// `KeysLseSplit2` on the query blocks whose mean row is short against their rows (shorter than
-    /// 0.75 of the rows' mean length) and whose two groups are coherent (their size-weighted mean
-    /// length at least 0.3 of it), `KeysLse` on the others: the cost follows the share of split blocks.
+    /// `KeysLseSplit2` on the query blocks whose mean row is short against their rows but not near
+    /// zero (0.25 to 0.75 of the rows' mean length: rows that share a direction but spread), `KeysLse`
+    /// on the others: the cost follows the share of split blocks.
     KeysLseAdaptive,
 }
 

@@ -222,11 +222,11 @@ fn keys_lse_split2_keeps_both_groups_blocks() {
 }
 
 #[test]
-fn keys_lse_adaptive_splits_only_short_coherent_blocks() {
-    // The query block and keys of keys_lse_split2_keeps_both_groups_blocks. Its rows point apart
-    // (|mean| = 2 sqrt 2 < 0.75 * 4) in two coherent groups: KeysLseAdaptive splits it as KeysLseSplit2.
-    // With 4 e2 added to every row (no key has an e2 part: the same scores, the same two groups) the mean
-    // row is long (sqrt 24 >= 0.75 sqrt 32): the block keeps its one pooled row, as KeysLse.
+fn keys_lse_adaptive_splits_only_short_mean_blocks() {
+    // The query block and keys of keys_lse_split2_keeps_both_groups_blocks. Its rows point apart, its mean
+    // row short but not near zero (0.25 * 4 <= |mean| = 2 sqrt 2 < 0.75 * 4): KeysLseAdaptive splits it as
+    // KeysLseSplit2. With 4 e2 added to every row (no key has an e2 part: the same scores, the same two
+    // groups) the mean row is long (sqrt 24 >= 0.75 sqrt 32): the block keeps its one pooled row, as KeysLse.
     let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
     let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == usize::from(i / 4 >= 64) { 4.0 } else { 0.0 }).collect();
     let q_long: Vec<f32> = q.iter().enumerate().map(|(i, &x)| if i % 4 == 2 { 4.0 } else { x }).collect();
@@ -253,10 +253,11 @@ fn keys_lse_adaptive_splits_only_short_coherent_blocks() {
 }
 
 #[test]
-fn keys_lse_adaptive_keeps_incoherent_blocks_whole() {
-    // Uniform random rows: every block's mean row is short, but the two groups' means are short too
-    // (not coherent), so no block splits: KeysLseAdaptive's masks are KeysLse's, unlike KeysLseSplit2's
-    // (the rows scaled by 8: with small scores the two rules rank the blocks alike to first order).
+fn keys_lse_adaptive_keeps_noise_blocks_whole() {
+    // Independent uniform random rows: every block's mean row is near zero (about 1/sqrt(128) of the rows'
+    // length, below 0.25 of it), so no block splits: KeysLseAdaptive's masks are KeysLse's, unlike
+    // KeysLseSplit2's (the rows scaled by 8: with small scores the two rules rank the blocks alike to first
+    // order).
     let (hq, l, d) = (2, 1024, 64);
     let plan = Plan::new(&exact_problem(1, hq, 1, l, l, d, false)).unwrap();
     let mut r = Rng(17);
