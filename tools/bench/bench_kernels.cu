@@ -17,29 +17,25 @@ __device__ __forceinline__ uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-__global__ void fill_normal_kernel(uint16_t* p, size_t n, uint64_t seed, float stddev, int is_fp16) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const uint64_t r = mix64(seed ^ mix64(i));
-    const float u1 = (static_cast<float>(r >> 40) + 0.5f) * (1.0f / 16777216.0f);
-    const float u2 = static_cast<float>((r >> 16) & 0xffffffu) * (1.0f / 16777216.0f);
-    const float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * stddev;
-    uint16_t bits;
-    if (is_fp16) {
-      const __half h = __float2half_rn(z);
-      bits = *reinterpret_cast<const uint16_t*>(&h);
-    } else {
-      const __nv_bfloat16 h = __float2bfloat16_rn(z);
-      bits = *reinterpret_cast<const uint16_t*>(&h);
-    }
-    p[i] = bits;
-  }
-}
-
 __device__ __forceinline__ float normal_of(uint64_t r) {
   const float u1 = (static_cast<float>(r >> 40) + 0.5f) * (1.0f / 16777216.0f);
   const float u2 = static_cast<float>((r >> 16) & 0xffffffu) * (1.0f / 16777216.0f);
   return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+}
+
+__device__ __forceinline__ uint16_t bits16(float z, int is_fp16) {
+  if (is_fp16) {
+    const __half h = __float2half_rn(z);
+    return *reinterpret_cast<const uint16_t*>(&h);
+  }
+  const __nv_bfloat16 h = __float2bfloat16_rn(z);
+  return *reinterpret_cast<const uint16_t*>(&h);
+}
+
+__global__ void fill_normal_kernel(uint16_t* p, size_t n, uint64_t seed, float stddev, int is_fp16) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    p[i] = bits16(normal_of(mix64(seed ^ mix64(i))) * stddev, is_fp16);
 }
 
 // Query rows with block structure: per 128-row block of a head, rows around one centre c1, or
@@ -54,16 +50,7 @@ __global__ void fill_blocks_kernel(uint16_t* p, size_t n, int64_t L, int64_t D, 
     const bool split = static_cast<float>(blk >> 40) * (1.0f / 16777216.0f) < share;
     const float c1 = normal_of(mix64(blk ^ (2 * d + 1))), cp = normal_of(mix64(blk ^ (2 * d + 2)));
     const float c = split && (r & 1) ? -0.5f * c1 + 0.866f * cp : c1;
-    const float z = c + 0.3f * normal_of(mix64(seed ^ 0x5bd1e995ull ^ mix64(i)));
-    uint16_t bits;
-    if (is_fp16) {
-      const __half h = __float2half_rn(z);
-      bits = *reinterpret_cast<const uint16_t*>(&h);
-    } else {
-      const __nv_bfloat16 h = __float2bfloat16_rn(z);
-      bits = *reinterpret_cast<const uint16_t*>(&h);
-    }
-    p[i] = bits;
+    p[i] = bits16(c + 0.3f * normal_of(mix64(seed ^ 0x5bd1e995ull ^ mix64(i))), is_fp16);
   }
 }
 

@@ -192,13 +192,8 @@ fn the_default_estimator_is_keys_lse() {
     assert_eq!(predict(None), lse);
 }
 
-#[test]
-fn keys_lse_split2_keeps_both_groups_blocks() {
-    // One query block of two row groups (rows 0..63: 4 e0, rows 64..127: 4 e1; scale 1/2) against
-    // four key blocks: 0 zeros (the sink), 1 holds 1.5 e0, 2 holds 1.5 e1, 3 holds e0 + e1. The pooled
-    // row 2 e0 + 2 e1 ranks block 3 first (KeysLse); each group's own block mass is 0.68 on its block
-    // and 0.25 on block 3, so their average ranks blocks 1 and 2 above block 3 (KeysLseSplit2). No local
-    // window (the default one would keep the diagonal blocks 2 and 3).
+// The plan, query block and keys of keys_lse_split2_keeps_both_groups_blocks (described there).
+fn two_group_block() -> (Plan, Vec<f32>, Vec<f32>) {
     let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
     let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == usize::from(i / 4 >= 64) { 4.0 } else { 0.0 }).collect();
     let k: Vec<f32> = (0..256 * 4)
@@ -209,6 +204,17 @@ fn keys_lse_split2_keeps_both_groups_blocks() {
             _ => 0.0,
         })
         .collect();
+    (plan, q, k)
+}
+
+#[test]
+fn keys_lse_split2_keeps_both_groups_blocks() {
+    // One query block of two row groups (rows 0..63: 4 e0, rows 64..127: 4 e1; scale 1/2) against
+    // four key blocks: 0 zeros (the sink), 1 holds 1.5 e0, 2 holds 1.5 e1, 3 holds e0 + e1. The pooled
+    // row 2 e0 + 2 e1 ranks block 3 first (KeysLse); each group's own block mass is 0.68 on its block
+    // and 0.25 on block 3, so their average ranks blocks 1 and 2 above block 3 (KeysLseSplit2). No local
+    // window (the default one would keep the diagonal blocks 2 and 3).
+    let (plan, q, k) = two_group_block();
     let predict = |e: Estimator| {
         let mut m = vec![0u8; 4];
         let p = PredictParams { estimator: e, topk: 0.75, local_window: Some(0), ..Default::default() };
@@ -227,17 +233,8 @@ fn keys_lse_adaptive_splits_only_short_mean_blocks() {
     // row short but not near zero (0.25 * 4 <= |mean| = 2 sqrt 2 < 0.75 * 4): KeysLseAdaptive splits it as
     // KeysLseSplit2. With 4 e2 added to every row (no key has an e2 part: the same scores, the same two
     // groups) the mean row is long (sqrt 24 >= 0.75 sqrt 32): the block keeps its one pooled row, as KeysLse.
-    let plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, false)).unwrap();
-    let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == usize::from(i / 4 >= 64) { 4.0 } else { 0.0 }).collect();
+    let (plan, q, k) = two_group_block();
     let q_long: Vec<f32> = q.iter().enumerate().map(|(i, &x)| if i % 4 == 2 { 4.0 } else { x }).collect();
-    let k: Vec<f32> = (0..256 * 4)
-        .map(|i| match (i / 4, i % 4) {
-            (64..=127, 0) => 1.5,
-            (128..=191, 1) => 1.5,
-            (192..=255, 0 | 1) => 1.0,
-            _ => 0.0,
-        })
-        .collect();
     let predict = |q: &[f32], e: Estimator| {
         let mut m = vec![0u8; 4];
         let p = PredictParams { estimator: e, topk: 0.75, local_window: Some(0), ..Default::default() };
