@@ -913,6 +913,40 @@ TEST_CASE("estimator KEYS_LSE_ADAPTIVE splits only the blocks of short, non-zero
   }
 }
 
+// A non-finite query element under the grouping estimators: the block's scores are NaN (KEYS_LSE_SPLIT2:
+// the group holding the row has a non-finite mean; KEYS_LSE_ADAPTIVE: the lengths are non-finite, so the
+// block keeps one group, whose mean is), so its row keeps every visible block; every other row is as
+// without it.
+TEST_CASE("grouping estimators: a non-finite query element keeps its row's visible blocks", "[cpu][predict][keys_lse]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (sparge_estimator_t est : {SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2, SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE})
+    for (float bad : {NAN, INFINITY}) {
+      INFO("estimator " << int(est) << " value " << bad);
+      Pred p = make_pred(1, 2, 1, 640, 700, 32, 64, 64, true, rng);
+      Plan plan(p.prob);
+      const sparge_predict_params_t params = bare_topk(0.2f, est);
+      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+      const auto before = p.mask.snapshot();
+      const int64_t h = 1, qb = 6;
+      p.q.set(0, h, qb * 64 + 13, 5, bad);
+      REQUIRE(run_predict(plan, p.q, p.k, &params, p.mask, &p.kept) == SPARGE_OK);
+      check_masks_binary_and_kept(p);
+      const auto after = p.mask.snapshot();
+      for (int64_t r = 0; r < 2 * p.nQB; ++r) {
+        const bool hit = r == h * p.nQB + qb;
+        for (int64_t kb = 0; kb < p.nKB; ++kb) {
+          const size_t i = size_t(r * p.nKB + kb);
+          if (hit)
+            CHECK(after[i] == (kb < visible(p, qb) ? 1 : 0));
+          else
+            CHECK(after[i] == before[i]);
+        }
+      }
+    }
+}
+
 // ---------------------------------------------------------------- KEYS_LSE on 16-bit keys
 // The pooled query row enters the per-key scores rounded once to the keys' 16-bit type (fp16 rows
 // scaled by a power of two first), the single term the CUDA kernel multiplies on the tensor cores

@@ -864,6 +864,49 @@ TEST_CASE("predict, estimator KEYS_LSE_ADAPTIVE: CUDA vs CPU predictor, larger s
   run_split2_cases(cases, true, SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE);
 }
 
+// A non-finite query element under the grouping estimators (as tests/cpu/test_predict.cpp): the row of
+// its query block keeps every visible block, every other row is as without it (and as on the CPU).
+TEST_CASE("predict, grouping estimators: a non-finite query element", "[gpu][predict][keys_lse][split2][sanitize]") {
+  const PredCase c{"group-nonfinite", shp(1, 2, 1, 900, 1000, 128, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false};
+  const uint64_t seed = case_seed(c.name);
+  Stream stream;
+  for (sparge_estimator_t est : {SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2, SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE})
+    for (float bad : {NAN, INFINITY}) {
+      INFO("estimator " << int(est) << " value " << bad << " seed " << seed);
+      Inputs in = make_inputs(c.s, c.layout, c.dtype, c.outliers, seed);
+      sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      prm.topk = 0.2f;
+      prm.estimator = est;
+      PredictResult before;
+      {
+        const DeviceInputs din(in);
+        before = gpu_predict(in, din, SPARGE_PRECISION_INT8_FP8, prm, nullptr, false, stream.get());
+      }
+      const int64_t h = 1, qb = 3, nQB = c.s.nQB(), nKB = c.s.nKB();
+      std::vector<float> qv = in.q.val;
+      qv[in.q.lidx(0, h, qb * 128 + 77, 9)] = bad;
+      in.q.set_values(qv);
+      const DeviceInputs din(in);
+      const PredictResult g = gpu_predict(in, din, SPARGE_PRECISION_INT8_FP8, prm, nullptr, false, stream.get());
+      const PredictResult cp = cpu_predict(in, SPARGE_PRECISION_INT8_FP8, prm, nullptr);
+      REQUIRE(before.status == SPARGE_OK);
+      REQUIRE(g.status == SPARGE_OK);
+      REQUIRE(cp.status == SPARGE_OK);
+      CHECK(kept_mismatches(g, c.s) == 0);
+      int64_t wrong_hit = 0, moved = 0;
+      for (int64_t r = 0; r < c.s.Hq * nQB; ++r)
+        for (int64_t kb = 0; kb < nKB; ++kb) {
+          const size_t i = size_t(r * nKB + kb);
+          if (r == h * nQB + qb)
+            wrong_hit += g.mask[i] != (kb < visible_blocks(c.s, qb) ? 1 : 0) || cp.mask[i] != g.mask[i];
+          else
+            moved += g.mask[i] != before.mask[i];
+        }
+      CHECK(wrong_hit == 0);
+      CHECK(moved == 0);
+    }
+}
+
 TEST_CASE("predict, estimator KEYS_LSE_SPLIT2: CUDA vs CPU predictor, larger shapes", "[gpu][predict][keys_lse][split2]") {
   const std::vector<PredCase> cases = {
       {"split2-L8192-causal", shp(1, 4, 2, 8192, 8192, 64, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false},
