@@ -137,8 +137,8 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
     *na = n, *nb = 0;
   };
   if (adaptive) {
-    const float ell = sum4(n, [&](int64_t i, float& v) { return v = std::sqrt(d2(r0 + i, [](int64_t) { return 0.0f; })), true; }) /
-          float(n);
+    auto row_length = [&](int64_t i, float& v) { return v = std::sqrt(d2(r0 + i, [](int64_t) { return 0.0f; })), true; };
+    const float ell = sum4(n, row_length) / float(n);
     const float m = length(mu);
     if (!(m < 0.75f * ell && m >= 0.25f * ell)) return one_group();
   }

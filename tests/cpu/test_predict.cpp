@@ -917,7 +917,8 @@ TEST_CASE("estimator KEYS_LSE_ADAPTIVE splits only the blocks of short, non-zero
 // the group holding the row has a non-finite mean; KEYS_LSE_ADAPTIVE: the lengths are non-finite, so the
 // block keeps one group, whose mean is), so its row keeps every visible block; every other row is as
 // without it.
-TEST_CASE("grouping estimators: a non-finite query element keeps its row's visible blocks", "[cpu][predict][keys_lse]") {
+TEST_CASE("grouping estimators: a non-finite query element keeps its row's visible blocks",
+          "[cpu][predict][keys_lse]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
