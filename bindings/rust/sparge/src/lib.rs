@@ -257,7 +257,7 @@ pub enum Estimator {
     /// Mean-pooled Q against every key, log-sum-exp per key block (the default).
     KeysLse,
     /// `KeysLse` for two groups of similar rows per query block, their block distributions averaged
-    /// by group size (CPU plans only today: `Unsupported` on CUDA plans).
+    /// by group size (about twice the prediction cost of `KeysLse`).
     KeysLseSplit2,
     /// `KeysLseSplit2` on the query blocks whose mean row is short against their rows but not near
     /// zero (0.25 to 0.75 of the rows' mean length: rows that share a direction but spread), `KeysLse`
