@@ -117,8 +117,8 @@ typedef enum sparge_estimator {
                                           prediction cost of KEYS_LSE) */
   SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE = 3 /* KEYS_LSE_SPLIT2 on the query blocks whose mean row is 0.25
                                             to 0.75 of their rows' length (rows that share a direction
-                                            but spread), KEYS_LSE on the others (the cost follows the
-                                            share of split blocks) */
+                                            but spread), KEYS_LSE of the block's mean row on the
+                                            others (the cost follows the share of split blocks) */
 } sparge_estimator_t;
 
 /* ------------------------------------------------------------------ tensors */

@@ -904,7 +904,8 @@ TEST_CASE("estimator KEYS_LSE_ADAPTIVE splits only the blocks of short, non-zero
         off_split += !same(1, row);
         split_differs += !same(0, row);
       } else {
-        off_lse += !same(0, row);  // one group: KEYS_LSE's ranking, but for near-ties of the normalized scores
+        off_lse += !same(0, row);  // one group: KEYS_LSE's scores of the sum4 mean row (KEYS_LSE pools in
+                                   // float64): only a near-tie can differ
       }
     }
     CHECK(off_split == 0);  // the same groups and the same arithmetic as KEYS_LSE_SPLIT2

@@ -412,13 +412,17 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
   const Problem& p = plan.prob;
   const WorkspaceLayout& L = plan.ws;
   if (p.BQ != kGpuBlockQ)
-    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE_SPLIT2 on CUDA needs block_q = %d, got %lld",
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "estimators KEYS_LSE_SPLIT2 / KEYS_LSE_ADAPTIVE on CUDA need block_q = %d, got %lld",
                 kGpuBlockQ, (long long)p.BQ);
   if (L.split_q == 0 || L.split_n == 0 || L.split_rows == 0 || L.split_cnt == 0)
-    return fail(SPARGE_ERR_INTERNAL, "CUDA KEYS_LSE_SPLIT2: workspace layout lacks its regions");
+    return fail(SPARGE_ERR_INTERNAL, "CUDA KEYS_LSE_SPLIT2 / KEYS_LSE_ADAPTIVE: workspace layout lacks their regions");
   const int64_t n = p.B * p.Hq * p.nQB;
   if (n <= 0) return SPARGE_OK;
   if (n > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "KEYS_LSE_SPLIT2 grouping grid too large");
+  if (adaptive && p.group() * p.nQB * 2 > int64_t(0x7fffffff))  // the row lists are int32
+    return fail(SPARGE_ERR_UNSUPPORTED, "KEYS_LSE_ADAPTIVE: %lld pooled rows per kv head exceed the int32 row list",
+                (long long)(p.group() * p.nQB * 2));
   char* base = static_cast<char*>(ws);
   GroupArgs ga;
   ga.q = q;
@@ -439,7 +443,8 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
     if (st == SPARGE_OK) err = launch_pdl(kern, dim3(unsigned(n)), dim3(kGThreads), size_t(smem), stream, ga);
   });
   if (!built)
-    return fail(SPARGE_ERR_UNSUPPORTED, "estimator KEYS_LSE_SPLIT2 on CUDA: kernel head dim %lld not built",
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "estimators KEYS_LSE_SPLIT2 / KEYS_LSE_ADAPTIVE on CUDA: kernel head dim %lld not built",
                 (long long)p.Dk);
   SPARGE_TRY(st);
   SPARGE_PDL_CHECK(err, "sparge KEYS_LSE_SPLIT2 grouping kernel");
