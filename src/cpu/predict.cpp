@@ -254,6 +254,10 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[size_t(j - j0)] - mb);
           return j1 > j0 ? float(m + std::log(sum)) : -INFINITY;
         };
+        // The row KEYS_LSE scores: the pooled row, or the mean row of a KEYS_LSE_ADAPTIVE block
+        // that keeps one group; null for MEAN and for blocks of two combined groups.
+        const float* lse_row = keys_lse ? pq : nullptr;
+        bool combined = false;
         if (split2) {
           // KEYS_LSE_SPLIT2: each group's KEYS_LSE scores s_g, normalized over the visible blocks
           // (u_g = s_g - log sum exp s_g), combined as log sum_g (n_g / n) exp(u_g) in float64 and
@@ -263,47 +267,42 @@ sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, co
           const int64_t r0 = qb * p.BQ, r1 = std::min(p.Lq, r0 + p.BQ);
           int64_t ng[2];
           split2_rows(qh.data(), D, r0, r1, adaptive, grow[0].data(), grow[1].data(), &ng[0], &ng[1]);
-          // KEYS_LSE_ADAPTIVE, one group: KEYS_LSE's scores of the block's mean row
-          const bool single = adaptive && ng[1] == 0;
-          for (int g = 0; g < (single ? 0 : 2); ++g) {
-            if (ng[g] == 0) continue;
-            const double kfac = double(p.scale) * keys_lse_row(grow[g].data(), D, k.dtype, qr.data());
-            double m = -INFINITY;
-            for (int64_t kb = 0; kb < vis; ++kb) {
-              gs[g][size_t(kb)] = double(lse_block(kfac, kb));
-              m = std::max(m, gs[g][size_t(kb)]);
+          if (adaptive && ng[1] == 0) {
+            lse_row = grow[0].data();  // KEYS_LSE_ADAPTIVE, one group: KEYS_LSE's scores of its mean row
+          } else {
+            combined = true;
+            for (int g = 0; g < 2; ++g) {
+              if (ng[g] == 0) continue;
+              const double kfac = double(p.scale) * keys_lse_row(grow[g].data(), D, k.dtype, qr.data());
+              double m = -INFINITY;
+              for (int64_t kb = 0; kb < vis; ++kb) {
+                gs[g][size_t(kb)] = double(lse_block(kfac, kb));
+                m = std::max(m, gs[g][size_t(kb)]);
+              }
+              double sum = 0.0;
+              for (int64_t kb = 0; kb < vis; ++kb) sum += std::exp(gs[g][size_t(kb)] - m);
+              const double norm = m + std::log(sum);
+              const double lw = std::log(double(ng[g]) / double(r1 - r0));
+              for (int64_t kb = 0; kb < vis; ++kb) gs[g][size_t(kb)] += lw - norm;
             }
-            double sum = 0.0;
-            for (int64_t kb = 0; kb < vis; ++kb) sum += std::exp(gs[g][size_t(kb)] - m);
-            const double norm = m + std::log(sum);
-            const double lw = std::log(double(ng[g]) / double(r1 - r0));
-            for (int64_t kb = 0; kb < vis; ++kb) gs[g][size_t(kb)] += lw - norm;
-          }
-          const double kfac1 = single ? double(p.scale) * keys_lse_row(grow[0].data(), D, k.dtype, qr.data()) : 0.0;
-          for (int64_t kb = 0; kb < vis; ++kb) {
-            if (single) {
-              const float sf = lse_block(kfac1, kb);
+            for (int64_t kb = 0; kb < vis; ++kb) {
+              double m = -INFINITY, sum = 0.0;
+              bool bad = false;
+              for (int g = 0; g < 2; ++g)
+                if (ng[g]) bad |= !std::isfinite(gs[g][size_t(kb)]), m = std::max(m, gs[g][size_t(kb)]);
+              for (int g = 0; g < 2; ++g)
+                if (ng[g]) sum += std::exp(gs[g][size_t(kb)] - m);
+              const float sf = bad ? NAN : float(m + std::log(sum));
               e[size_t(kb)] = sf;
               mx = std::max(mx, double(sf));
               nonfinite |= !std::isfinite(sf);
-              continue;
             }
-            double m = -INFINITY, sum = 0.0;
-            bool bad = false;
-            for (int g = 0; g < 2; ++g)
-              if (ng[g]) bad |= !std::isfinite(gs[g][size_t(kb)]), m = std::max(m, gs[g][size_t(kb)]);
-            for (int g = 0; g < 2; ++g)
-              if (ng[g]) sum += std::exp(gs[g][size_t(kb)] - m);
-            const float sf = bad ? NAN : float(m + std::log(sum));
-            e[size_t(kb)] = sf;
-            mx = std::max(mx, double(sf));
-            nonfinite |= !std::isfinite(sf);
           }
         }
-        const double kfac = keys_lse ? double(p.scale) * keys_lse_row(pq, D, k.dtype, qr.data()) : 0.0;
-        for (int64_t kb = 0; kb < (split2 ? 0 : vis); ++kb) {
+        const double kfac = lse_row ? double(p.scale) * keys_lse_row(lse_row, D, k.dtype, qr.data()) : 0.0;
+        for (int64_t kb = 0; kb < (combined ? 0 : vis); ++kb) {
           float sf;
-          if (keys_lse) {
+          if (lse_row) {
             sf = lse_block(kfac, kb);
           } else {
             double s = 0.0;
