@@ -805,12 +805,15 @@ static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters,
     }
     const DeviceInputs din(in);
     Stream stream;
-    for (float topk : {0.1f, 0.3f}) {
+    // top-k 0.1 and 0.3, and CDF 0.9 (the selection combines the groups' scores in both modes)
+    for (float topk : {0.1f, 0.3f, 0.0f}) {
+      const bool cdf = topk == 0.0f;
       sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
-      prm.topk = topk;
+      prm.topk = cdf ? 0.5f : topk;
+      if (cdf) prm.mode = SPARGE_SELECT_CDF, prm.cdf_threshold = 0.9f;
       prm.estimator = est;
-      INFO(c.name << (clusters ? " clusters" : "") << (adaptive ? " adaptive" : "") << " topk " << topk << " ["
-                  << c.s.str() << "] seed " << seed);
+      INFO(c.name << (clusters ? " clusters" : "") << (adaptive ? " adaptive" : "") << (cdf ? " cdf 0.9" : " topk ")
+                  << (cdf ? 0.0f : topk) << " [" << c.s.str() << "] seed " << seed);
       // (INT8_FP8 plans have head dims up to 128)
       const sparge_precision_t prec = c.s.D > 128 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_INT8_FP8;
       const PredictResult g = gpu_predict(in, din, prec, prm, nullptr, false, stream.get());
@@ -839,6 +842,18 @@ static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters,
             for (int64_t y : only_c)
               swap_tie = swap_tie && x < int64_t(sc.size()) && y < int64_t(sc.size()) &&
                          std::fabs(sc[size_t(x)] - sc[size_t(y)]) <= tol;
+          if (cdf) {
+            // CDF: the GPU's blocks reach the threshold under the reference's probabilities (within
+            // the scores' tolerance), and the two masks differ by one block at the boundary at most
+            double mx = -INFINITY, tot = 0.0, kept_mass = 0.0;
+            for (double t : sc) mx = std::max(mx, t);
+            for (double t : sc) tot += std::exp(t - mx);
+            for (size_t kb = 0; kb < sc.size(); ++kb)
+              if (g.mask[row + kb]) kept_mass += std::exp(sc[kb] - mx) / tot;
+            const int64_t dn = int64_t(only_g.size()) - int64_t(only_c.size());
+            swap_tie = swap_tie || (kept_mass >= 0.9 - 1e-3 && dn >= -1 && dn <= 1 &&
+                                    only_g.size() + only_c.size() <= 2);
+          }
           (swap_tie ? ties : bad) += 1;
         }
       CHECK(bad == 0);

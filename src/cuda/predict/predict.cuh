@@ -29,12 +29,10 @@ sparge_status_t launch_key_scores(const Plan& plan, const Tensor4& k, void* ws, 
 // Estimators KEYS_LSE_SPLIT2 and KEYS_LSE_ADAPTIVE (split2.cu): the grouping of every query block of
 // q into two groups (adaptive: one where its mean row is not 0.25 to 0.75 of its rows' length) and their mean
 // rows and sizes, and for adaptive the list of rows to score per kv head (before
-// launch_key_scores); the combination of the two groups' block scores into the score region
-// (after it; adaptive: the blocks of two groups only, the others keep the KEYS_LSE scores of their
-// mean row).
+// launch_key_scores). launch_select combines the two groups' block scores of a row (adaptive: the
+// rows of two groups only; the others keep the KEYS_LSE scores of their mean row).
 sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream,
                                     bool adaptive);
-sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream, bool adaptive);
 
 // Estimators with two group rows per query block (split2.cu).
 inline bool grouped_estimator(sparge_estimator_t e) {

@@ -153,7 +153,54 @@ struct SelectArgs {
   int64_t kept_s0, kept_s1;
   int32_t* idx;  // [B*Hq, nQB, nKB] or null: the rows' index lists too (cuda/schedule/lists.cuh)
   int32_t* cnt;  // [B*Hq, nQB]
+  // Estimators KEYS_LSE_SPLIT2 / KEYS_LSE_ADAPTIVE (grouped != 0): `scores` holds group a's block
+  // scores, scores2 group b's (the index-list region: a row's lists are written after its scores2
+  // are read, by the same warp), count the groups' sizes [B*Hq, nQB, 2]. The row's scores are
+  // their combination (combine_groups): every row for 1 (KEYS_LSE_SPLIT2), the rows of two groups
+  // for 2 (KEYS_LSE_ADAPTIVE; a row of one group keeps its KEYS_LSE scores).
+  const float* scores2;
+  const float* count;
+  int32_t grouped;
 };
+
+// The combination of a row's two groups' block scores (KEYS_LSE_SPLIT2, KEYS_LSE_ADAPTIVE; the
+// row's warp, its V visible blocks), into out (lane-strided: block kb by lane kb % 32, which also
+// reads it afterwards). In float32 (the CPU reference: float64; the two differ by float32
+// roundings, within the block scores' own tolerance). Per group g of n_g > 0 rows: m_g = the
+// largest visible score (NaN ignored), norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is
+// infinite: the CPU's arithmetic), u_g = s_g + (log(n_g / n) - norm_g); the block's score is
+// m + log(1 + exp(o - m)), m and o the larger and the smaller u_g (u_0 alone with one group), or
+// NaN where some u_g is not finite.
+__device__ __forceinline__ void combine_groups(const float* s0, const float* s1, float n0, float n1, int V,
+                                               float* out) {
+  const int lane = threadIdx.x & 31;
+  const float n = n0 + n1;        // (integers <= 128: exact)
+  float shift[2] = {0.0f, 0.0f};  // log(n_g / n) - norm_g
+  const bool has[2] = {n0 > 0.f, n1 > 0.f};
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    if (!has[g]) continue;  // warp-uniform
+    const float* s = g ? s1 : s0;
+    float m = -INFINITY;
+    for (int kb = lane; kb < V; kb += 32) m = fmaxf(m, s[kb]);
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int kb = lane; kb < V; kb += 32) sum += expf(s[kb] - m);
+    sum = warp_sum(sum);
+    shift[g] = logf((g ? n1 : n0) / n) - (m + logf(sum));
+  }
+  for (int kb = lane; kb < V; kb += 32) {
+    const float u0 = has[0] ? s0[kb] + shift[0] : 0.0f, u1 = has[1] ? s1[kb] + shift[1] : 0.0f;
+    float r;
+    if ((has[0] && !isfinite(u0)) || (has[1] && !isfinite(u1)))
+      r = NAN;
+    else if (has[0] && has[1])
+      r = fmaxf(u0, u1) + log1pf(expf(fminf(u0, u1) - fmaxf(u0, u1)));
+    else
+      r = has[0] ? u0 : u1;
+    out[kb] = r;
+  }
+}
 
 // Row keys: for a candidate block the score's order key (top-k) or the P bit pattern (CDF),
 // plus 1; 0 for a block that is not a candidate (kept beforehand as a forced block of the
@@ -341,6 +388,12 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
   const uint32_t b = bh / Hq, h = bh % Hq, bhk = b * uint32_t(p.Hkv) + h / (Hq / uint32_t(p.Hkv));
   const int V = int(visible_key_blocks(p, qb));
   const float sim_thr = cfg.sim_per_head ? cfg.sim_per_head[h] : cfg.sim_threshold;
+  // the groups' sizes (grouped estimators), read before the row's set-up below hides their latency
+  float n0 = 0.f, n1 = 0.f;
+  if (a.grouped != 0) {
+    const float2 nn = reinterpret_cast<const float2*>(a.count)[size_t(bh) * nQB + qb];
+    n0 = nn.x, n1 = nn.y;
+  }
 
   // 16-byte flag and mask accesses where the row allows them (warp-uniform): nKB a multiple of 16
   // (sel, after nKB u32 keys in a 16-byte-aligned region, is then 16-byte aligned) and a
@@ -361,6 +414,11 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
     // sim_q is then neither read nor computed: prepare.cu)
     const bool force_row = sim_thr > 0.f && a.sim_q[size_t(bh) * nQB + qb] < sim_thr;
     const float* srow = a.scores + (size_t(bh) * nQB + qb) * size_t(nKB);
+    // the combined scores (warp-uniform), staged in pb and read below in place (the other rows read
+    // srow through global loads)
+    const bool staged = a.grouped != 0 && !force_row && (a.grouped == 1 || n1 > 0.f);
+    if (staged)
+      combine_groups(srow, a.scores2 + (size_t(bh) * nQB + qb) * size_t(nKB), n0, n1, V, reinterpret_cast<float*>(pb));
     // forced blocks of the budget (sink, local window, causal diagonal): kept first, their count
     // (top-k) or probability (CDF) taken off the target, no longer candidates
     const BudgetForced fb = budget_forced(p, cfg, qb);
@@ -369,7 +427,7 @@ __global__ void __launch_bounds__(32 * kSelRows) select_kernel(const SelectArgs 
     uint32_t fcount = 0;
     if (!force_row) {
       for (int kb = lane; kb < V; kb += 32) {
-        const float sv = srow[kb];
+        const float sv = staged ? __uint_as_float(pb[kb]) : __ldg(srow + kb);
         nonfinite |= !isfinite(sv);
         if constexpr (!TOPK) {
           pb[kb] = __float_as_uint(sv);  // stage the scores (CDF: probabilities below)
@@ -516,6 +574,13 @@ sparge_status_t launch_select(const Plan& plan, const PredictConfig& cfg, const 
   se.kept = kept_ptr, se.kept_s0 = ks0, se.kept_s1 = ks1;
   se.idx = lists_too ? ws_ptr<int32_t>(base, L.idx) : nullptr;
   se.cnt = lists_too ? ws_ptr<int32_t>(base, L.cnt) : nullptr;
+  se.grouped = cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2     ? 1
+               : cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE ? 2
+                                                                     : 0;
+  se.scores2 = se.grouped ? ws_ptr<float>(base, L.idx) : nullptr;
+  se.count = se.grouped ? ws_ptr<float>(base, L.split_n) : nullptr;
+  if (se.grouped && (L.idx == 0 || L.split_n == 0))
+    return fail(SPARGE_ERR_INTERNAL, "CUDA selection: workspace layout lacks the grouped estimators' regions");
   if (lists_too && (L.idx == 0 || L.cnt == 0))
     return fail(SPARGE_ERR_INTERNAL, "CUDA selection: workspace layout lacks idx/cnt");
   const int64_t nrows = bhq * p.nQB;

@@ -1,6 +1,6 @@
 // Estimators KEYS_LSE_SPLIT2 and KEYS_LSE_ADAPTIVE on CUDA (docs/SEMANTICS.md, "Mask prediction",
-// step 3; pipeline and costs: docs/PREDICTION.md). Three launches after the preparation's passes
-// (four with KEYS_LSE_ADAPTIVE):
+// step 3; pipeline and costs: docs/PREDICTION.md). Two launches after the preparation's passes
+// (three with KEYS_LSE_ADAPTIVE) and the combination inside the selection:
 //   1. split2_group_kernel: per 128-row query block, the two groups of similar rows and their float32
 //      mean rows and sizes, in float32 with the CPU reference's operations in its order (column sums
 //      in row order, squared distances in column order, no fused multiply-adds), so that groups and
@@ -12,10 +12,10 @@
 //      KEYS_LSE_ADAPTIVE: on the listed rows only, ks::Args::list),
 //      the first group's scores into the score region, the second group's into the index-list region
 //      (free until the selection writes the lists, after step 3 has read it);
-//   3. split2_combine_kernel: per row, each group's scores normalized over the visible blocks and
-//      their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)), in float32 into the score
-//      region, which the selection then ranks as KEYS_LSE scores
-//      (KEYS_LSE_ADAPTIVE: rows of one group keep the KEYS_LSE scores of step 2).
+//   3. (in the selection kernel, select.cu: combine_groups) per row, each group's scores normalized
+//      over the visible blocks and their size-weighted mean, log(sum_g (n_g / n) exp(s_g - lse s_g)),
+//      in float32, ranked as KEYS_LSE scores (KEYS_LSE_ADAPTIVE: rows of one group keep the
+//      KEYS_LSE scores of step 2).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -58,8 +58,7 @@ struct GroupSmem {
   static constexpr int kLen = kGm + 2 * DK * 4;        // float [128]: the rows' lengths (adaptive)
   static constexpr int kRedD = kLen + kGThreads * 4;   // float [4]: reductions
   static constexpr int kRedR = kRedD + 16;             // int [4]
-  static constexpr int kFlag = kRedR + 16;             // int: the block splits (adaptive)
-  static constexpr int kLab = kFlag + 16;              // uchar [128]: 1 = group b
+  static constexpr int kLab = kRedR + 16;              // uchar [128]: 1 = group b
   static constexpr int kBytes = kLab + kGThreads;
 };
 
@@ -94,8 +93,10 @@ template <class F>
 __device__ __forceinline__ float warp_sum4(int n, F&& f) {
   const int lane = threadIdx.x & 31;
   float p = 0.0f;
-  if (lane < 4)
+  if (lane < 4) {
+#pragma unroll 8
     for (int i = lane; i < n; i += 4) p = __fadd_rn(p, f(i));
+  }
   const float p1 = __shfl_sync(0xffffffffu, p, 1), p2 = __shfl_sync(0xffffffffu, p, 2),
               p3 = __shfl_sync(0xffffffffu, p, 3), p0 = __shfl_sync(0xffffffffu, p, 0);
   return __fadd_rn(__fadd_rn(p0, p1), __fadd_rn(p2, p3));
@@ -105,6 +106,12 @@ __device__ __forceinline__ float warp_sum4(int n, F&& f) {
 __device__ __forceinline__ float warp_length(const float* v, int n) {
   return __fsqrt_rn(warp_sum4(n, [&](int c) { return __fmul_rn(v[c], v[c]); }));
 }
+
+// An 8-byte asynchronous copy global -> shared (zeros, nothing read, where !ok).
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 8 : 0) : "memory");
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 template <class T>
 __device__ __forceinline__ float elem(const unsigned short* x) {
@@ -132,11 +139,12 @@ __device__ __forceinline__ float4 elem4(const unsigned short* x) {
 
 // Squared Euclidean distance of a row to a reference: the sum4 over the columns of (x_c - r_c)^2.
 // ref(c) gives r_c .. r_{c+3} (c a multiple of 4) as a float4, ref1(c) one value.
-template <class T, class Ref4, class Ref1>
+// SUB false: the reference is zero and the subtraction is skipped (x - 0 is x, bit for bit).
+template <class T, bool SUB = true, class Ref4, class Ref1>
 __device__ __forceinline__ float dist2_to(const unsigned short* row, int d_in, Ref4&& ref, Ref1&& ref1) {
   Sum4 s;
   auto term = [&](int k, float x, float m) {
-    const float t = __fsub_rn(x, m);
+    const float t = SUB ? __fsub_rn(x, m) : x;
     s.add(k, __fmul_rn(t, t));
   };
   int c = 0;
@@ -167,7 +175,7 @@ __device__ __forceinline__ float dist2(const unsigned short* row, const unsigned
 }
 template <class T>
 __device__ __forceinline__ float norm2(const unsigned short* row, int d_in) {
-  return dist2_to<T>(row, d_in, [](int) { return make_float4(0.f, 0.f, 0.f, 0.f); }, [](int) { return 0.f; });
+  return dist2_to<T, false>(row, d_in, [](int) { return make_float4(0.f, 0.f, 0.f, 0.f); }, [](int) { return 0.f; });
 }
 
 // The farthest row: the largest distance, the lowest row on equal distances; NaN distances (and
@@ -213,7 +221,6 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   float* len = reinterpret_cast<float*>(g_smem + Sm::kLen);
   float* red_d = reinterpret_cast<float*>(g_smem + Sm::kRedD);
   int* red_r = reinterpret_cast<int*>(g_smem + Sm::kRedR);
-  int* flag = reinterpret_cast<int*>(g_smem + Sm::kFlag);
   unsigned char* lab = g_smem + Sm::kLab;
 
   const int64_t cta = blockIdx.x;
@@ -226,16 +233,31 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   float* out = a.rows + (bh * a.nQB + qb) * 2 * DK;
   float* cnt = a.count + (bh * a.nQB + qb) * 2;
 
-  // the block's rows (zeros past n and past d_in)
+  // the block's rows (zeros past n and past d_in). VEC: every copy of the thread in flight at once
+  // (cp.async, two 8-byte halves per 16-byte chunk: the rows are 8-byte aligned), so that a CTA
+  // waits for one memory round trip instead of one per batch of loads.
   {
     constexpr int TPR = DK / 8, RPI = kGThreads / TPR;
     const int lr = tid / TPR, cg = tid % TPR;
     const T* base = static_cast<const T*>(a.q.data);
-    for (int r = lr; r < kGThreads; r += RPI) {
-      const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<VEC>(base + a.q.offset(b, h, r0 + r, cg * 8))
-                                               : make_uint4(0, 0, 0, 0);
-      uint2* dst = reinterpret_cast<uint2*>(xs + r * Sm::kPitch + cg * 8);  // (rows are 8-byte aligned)
-      dst[0] = make_uint2(v.x, v.y), dst[1] = make_uint2(v.z, v.w);
+    if constexpr (VEC) {
+      const T* any = base + a.q.offset(b, h, r0, 0);  // a readable address for the zero fills
+#pragma unroll
+      for (int r = lr; r < kGThreads; r += RPI) {
+        const bool ok = r < n && cg * 8 < d_in;
+        const T* src = ok ? base + a.q.offset(b, h, r0 + r, cg * 8) : any;
+        const uint32_t dst = smem_u32(xs + r * Sm::kPitch + cg * 8);
+        cp_async8(dst, src, ok);
+        cp_async8(dst + 8u, src + 4, ok);
+      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+    } else {
+      for (int r = lr; r < kGThreads; r += RPI) {
+        const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<false>(base + a.q.offset(b, h, r0 + r, cg * 8))
+                                                 : make_uint4(0, 0, 0, 0);
+        uint2* dst = reinterpret_cast<uint2*>(xs + r * Sm::kPitch + cg * 8);  // (rows are 8-byte aligned)
+        dst[0] = make_uint2(v.x, v.y), dst[1] = make_uint2(v.z, v.w);
+      }
     }
   }
   __syncthreads();
@@ -254,13 +276,17 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     // 0.25 l <= |mean| < 0.75 l (decided by warp 0)
     len[tid] = real ? __fsqrt_rn(norm2<T>(mine, d_in)) : 0.0f;
     __syncthreads();  // the lengths and the mean row
+    float* lm = red_d;  // l (warp 0) and |mean| (warp 1), side by side
     if (tid < 32) {
       const float l = __fdiv_rn(warp_sum4(n, [&](int r) { return len[r]; }), float(n));
+      if (tid == 0) lm[0] = l;
+    } else if (tid < 64) {
       const float m = warp_length(mu, d_in);
-      if (tid == 0) flag[0] = m < __fmul_rn(0.75f, l) && m >= __fmul_rn(0.25f, l);
+      if (tid == 32) lm[1] = m;
     }
     __syncthreads();
-    if (!flag[0]) return one_group();  // uniform
+    const float l = lm[0], m = lm[1];
+    if (!(m < __fmul_rn(0.75f, l) && m >= __fmul_rn(0.25f, l))) return one_group();  // uniform
   } else {
     __syncthreads();  // the mean row
   }
@@ -348,63 +374,6 @@ __global__ void __launch_bounds__(kLThreads) split2_list_kernel(const ListArgs a
   if (tid == 0) a.list_n[bhk] = n;
 }
 
-struct CombineArgs {
-  Problem prob;
-  float* scores;         // [B*Hq, nQB, nKB]: group a's block scores in, the combined scores out
-  const float* scores2;  // [B*Hq, nQB, nKB]: group b's block scores
-  const float* count;    // [B*Hq, nQB, 2]
-  bool adaptive;         // KEYS_LSE_ADAPTIVE: a row of one group keeps its KEYS_LSE scores
-};
-
-constexpr int kCWarps = 4;  // rows per CTA, a warp each
-
-// One warp per (bh, qb) row, in float32 (the CPU reference: float64; the two differ by float32
-// roundings, within the block scores' own tolerance). Per group g of n_g > 0 rows: m_g = the
-// largest visible score (NaN ignored), norm_g = m_g + log sum exp(s_g - m_g) (NaN when m_g is
-// infinite: the CPU's arithmetic), u_g = s_g + (log(n_g / n) - norm_g); the block's score is
-// m + log(1 + exp(o - m)), m and o the larger and the smaller u_g (u_0 alone with one group), or
-// NaN where some u_g is not finite.
-__global__ void __launch_bounds__(32 * kCWarps) split2_combine_kernel(const CombineArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
-  const Problem& p = a.prob;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * kCWarps + (threadIdx.x >> 5);
-  if (row >= p.B * p.Hq * p.nQB) return;  // warp-uniform
-  const int64_t qb = row % p.nQB;
-  const int64_t vis = visible_key_blocks(p, qb);
-  if (vis <= 0) return;
-  float* s0 = a.scores + row * p.nKB;
-  const float* s1 = a.scores2 + row * p.nKB;
-  const float n0 = a.count[2 * row], n1 = a.count[2 * row + 1];
-  if (a.adaptive && !(n1 > 0.f)) return;  // warp-uniform
-  const float n = n0 + n1;  // (integers <= 128: exact)
-  float shift[2] = {0.0f, 0.0f};  // log(n_g / n) - norm_g
-  const bool has[2] = {n0 > 0.f, n1 > 0.f};
-#pragma unroll
-  for (int g = 0; g < 2; ++g) {
-    if (!has[g]) continue;  // warp-uniform
-    const float* s = g ? s1 : s0;
-    float m = -INFINITY;
-    for (int64_t kb = lane; kb < vis; kb += 32) m = fmaxf(m, s[kb]);
-    m = warp_max(m);
-    float sum = 0.0f;
-    for (int64_t kb = lane; kb < vis; kb += 32) sum += expf(s[kb] - m);
-    sum = warp_sum(sum);
-    shift[g] = logf((g ? n1 : n0) / n) - (m + logf(sum));
-  }
-  for (int64_t kb = lane; kb < vis; kb += 32) {
-    const float u0 = has[0] ? s0[kb] + shift[0] : 0.0f, u1 = has[1] ? s1[kb] + shift[1] : 0.0f;
-    float r;
-    if ((has[0] && !isfinite(u0)) || (has[1] && !isfinite(u1)))
-      r = NAN;
-    else if (has[0] && has[1])
-      r = fmaxf(u0, u1) + log1pf(expf(fminf(u0, u1) - fmaxf(u0, u1)));
-    else
-      r = has[0] ? u0 : u1;
-    s0[kb] = r;
-  }
-}
-
 }  // namespace
 
 sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws, cudaStream_t stream,
@@ -456,25 +425,6 @@ sparge_status_t launch_split2_group(const Plan& plan, const Tensor4& q, void* ws
   la.list_n = ws_ptr<int32_t>(base, L.split_cnt);
   SPARGE_PDL_CHECK(launch_pdl(split2_list_kernel, dim3(unsigned(p.B * p.Hkv)), dim3(kLThreads), 0, stream, la),
                    "sparge KEYS_LSE_ADAPTIVE row list kernel");
-  return SPARGE_OK;
-}
-
-sparge_status_t launch_split2_combine(const Plan& plan, void* ws, cudaStream_t stream, bool adaptive) {
-  const Problem& p = plan.prob;
-  const WorkspaceLayout& L = plan.ws;
-  const int64_t rows = p.B * p.Hq * p.nQB;
-  if (rows <= 0) return SPARGE_OK;
-  const int64_t ctas = ceil_div(rows, kCWarps);
-  if (ctas > int64_t(0x7fffffff)) return fail(SPARGE_ERR_UNSUPPORTED, "KEYS_LSE_SPLIT2 combination grid too large");
-  char* base = static_cast<char*>(ws);
-  CombineArgs ca;
-  ca.prob = p;
-  ca.scores = ws_ptr<float>(base, L.scores);
-  ca.scores2 = ws_ptr<float>(base, L.idx);
-  ca.count = ws_ptr<float>(base, L.split_n);
-  ca.adaptive = adaptive;
-  SPARGE_PDL_CHECK(launch_pdl(split2_combine_kernel, dim3(unsigned(ctas)), dim3(32 * kCWarps), 0, stream, ca),
-                   "sparge KEYS_LSE_SPLIT2 combination kernel");
   return SPARGE_OK;
 }
 

@@ -575,14 +575,12 @@ sparge_status_t prepare_impl(const Plan& plan, const Tensor4& q, const Tensor4& 
   if (order_groups > 0) SPARGE_TRY(lists::launch_order(plan, B.ord, order_groups, stream));
 
   // Block scores from every key (estimator KEYS_LSE: the pooled Q of stage A or B is ready;
-  // KEYS_LSE_SPLIT2: the groups' mean rows first, the combination of their scores after).
+  // KEYS_LSE_SPLIT2: the groups' mean rows first; the selection combines their scores).
   if (pool && keys_estimator(cfg.estimator)) {
     if (split2)
       SPARGE_TRY(launch_split2_group(plan, q, ws, stream, cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE));
     const KeptRef kr = kept_ref(plan, kept, ws);
     SPARGE_TRY(launch_key_scores(plan, k, ws, stream, kept_zeroed ? &kr : nullptr, kept_zeroed, cfg.estimator));
-    if (split2)
-      SPARGE_TRY(launch_split2_combine(plan, ws, stream, cfg.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE));
   }
   return SPARGE_OK;
 }
