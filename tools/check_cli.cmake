@@ -32,15 +32,30 @@ if(NOT err STREQUAL "")
   message(FATAL_ERROR "--json --no-progress wrote to stderr: ${err}")
 endif()
 
-# The default estimator is keys_lse; --estimator mean selects the SpargeAttn rule.
+# The default estimator is auto, reported as the one it runs: keys_lse when causal, keys_lse_adaptive when not;
+# --estimator mean selects the SpargeAttn rule.
 string(JSON est GET "${js}" sparsity estimator)
+set(run_nc ${run})
+list(REMOVE_ITEM run_nc --causal)
+execute_process(COMMAND ${SPARGE} ${run_nc} --json OUTPUT_VARIABLE js_nc RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "--json (not causal): exit ${rc}")
+endif()
+string(JSON est_nc GET "${js_nc}" sparsity estimator)
+execute_process(COMMAND ${SPARGE} ${run_nc} --json --estimator keys_lse OUTPUT_VARIABLE js_lse RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "--json --estimator keys_lse: exit ${rc}")
+endif()
+string(JSON est_lse GET "${js_lse}" sparsity estimator)
 execute_process(COMMAND ${SPARGE} ${run} --json --estimator mean OUTPUT_VARIABLE js_mean RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "--json --estimator mean: exit ${rc}")
 endif()
 string(JSON est_mean GET "${js_mean}" sparsity estimator)
-if(NOT est STREQUAL "keys_lse" OR NOT est_mean STREQUAL "mean")
-  message(FATAL_ERROR "estimator: default '${est}' (expected keys_lse), --estimator mean gives '${est_mean}'")
+if(NOT est STREQUAL "keys_lse" OR NOT est_nc STREQUAL "keys_lse_adaptive" OR NOT est_lse STREQUAL "keys_lse"
+   OR NOT est_mean STREQUAL "mean")
+  message(FATAL_ERROR "estimator: default '${est}' causal (expected keys_lse), '${est_nc}' not causal (expected "
+                      "keys_lse_adaptive), --estimator keys_lse gives '${est_lse}', --estimator mean '${est_mean}'")
 endif()
 
 execute_process(COMMAND ${SPARGE} ${run} --csv OUTPUT_VARIABLE csv RESULT_VARIABLE rc)

@@ -211,7 +211,15 @@ static const char* estimator_name(int e) {
   return e == SPARGE_ESTIMATOR_MEAN               ? "mean"
          : e == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2   ? "keys_lse_split2"
          : e == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE ? "keys_lse_adaptive"
+         : e == SPARGE_ESTIMATOR_AUTO              ? "auto"
                                                    : "keys_lse";
+}
+
+/* The estimator the library runs: SPARGE_ESTIMATOR_AUTO is KEYS_LSE_ADAPTIVE when not causal,
+ * KEYS_LSE when causal (sparge.h). */
+static int resolved_estimator(int e, int causal) {
+  if (e != SPARGE_ESTIMATOR_AUTO) return e;
+  return causal ? SPARGE_ESTIMATOR_KEYS_LSE : SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
 }
 
 /* ------------------------------------------------------------------ random numbers */
@@ -324,8 +332,9 @@ static void usage(FILE* f) {
           "  --window W             keep the diagonal key blocks and W-1 more per side (default: 2 when\n"
           "                         causal, 1 otherwise; 0: off)\n"
           "  --no-smooth-k          do not subtract the mean of K before prediction\n"
-          "  --estimator keys_lse|keys_lse_adaptive|keys_lse_split2|mean\n"
-          "                         block importance (default keys_lse: pooled q against every\n"
+          "  --estimator auto|keys_lse|keys_lse_adaptive|keys_lse_split2|mean\n"
+          "                         block importance (default auto: keys_lse_adaptive when not\n"
+          "                         causal, keys_lse when causal; keys_lse: pooled q against every\n"
           "                         key; keys_lse_split2: two groups of rows per query block;\n"
           "                         keys_lse_adaptive: split2 where a block's rows spread;\n"
           "                         mean: pooled q against pooled k, the SpargeAttn rule)\n"
@@ -486,11 +495,10 @@ static void parse_args(int argc, char** argv, options_t* o) {
       o->smooth_k = 0;
     } else if (!strcmp(flag, "--estimator")) {
       const char* v = VALUE();
-      if (v && !strcmp(v, "keys_lse"))
-        {
-    const sparge_predict_params_t def = SPARGE_PREDICT_PARAMS_INIT;
-    o->estimator = def.estimator; /* the library's default */
-  }
+      if (v && !strcmp(v, "auto"))
+        o->estimator = SPARGE_ESTIMATOR_AUTO;
+      else if (v && !strcmp(v, "keys_lse"))
+        o->estimator = SPARGE_ESTIMATOR_KEYS_LSE;
       else if (v && !strcmp(v, "keys_lse_split2"))
         o->estimator = SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2;
       else if (v && !strcmp(v, "keys_lse_adaptive"))
@@ -498,7 +506,8 @@ static void parse_args(int argc, char** argv, options_t* o) {
       else if (v && !strcmp(v, "mean"))
         o->estimator = SPARGE_ESTIMATOR_MEAN;
       else
-        die(2, "--estimator: expected keys_lse, keys_lse_adaptive, keys_lse_split2 or mean, got '%s'", v ? v : "");
+        die(2, "--estimator: expected auto, keys_lse, keys_lse_adaptive, keys_lse_split2 or mean, got '%s'",
+            v ? v : "");
     } else if (!strcmp(flag, "--precision")) {
       const char* v = VALUE();
       size_t i = 0;
@@ -1102,8 +1111,9 @@ int main(int argc, char** argv) {
     say("sparsity  : precision %s, select cdf %.3g", precision_name(resolved.precision), (double)o.cdf);
   else
     say("sparsity  : precision %s, select topk %.3g", precision_name(resolved.precision), (double)o.topk);
-  say(", sim_threshold %.3g, smooth_k %d, sink %d, window %d, estimator %s\n", (double)o.sim_threshold, o.smooth_k,
-      o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 1), estimator_name(o.estimator));
+  say(", sim_threshold %.3g, smooth_k %d, sink %d, window %d, estimator %s%s\n", (double)o.sim_threshold, o.smooth_k,
+      o.sink >= 0 ? o.sink : 1, o.window >= 0 ? o.window : (o.causal ? 2 : 1),
+      estimator_name(resolved_estimator(o.estimator, o.causal)), o.estimator == SPARGE_ESTIMATOR_AUTO ? " (auto)" : "");
   say("inputs    : %s, seed %llu\n", o.data_random ? "i.i.d. normal" : "clustered (runs of 256 tokens, 8 directions)",
          (unsigned long long)o.seed);
   say("workspace : %.2f MiB\n", (double)c.ws_bytes / (1024.0 * 1024.0));
@@ -1327,7 +1337,7 @@ int main(int argc, char** argv) {
              "\"sim_threshold\": %.9g, \"smooth_k\": %s, \"sink\": %s, \"estimator\": \"%s\"},\n",
              precision_name(resolved.precision), o.use_cdf ? "cdf" : "topk", (double)o.topk, (double)o.cdf,
              (double)o.sim_threshold, o.smooth_k ? "true" : "false", o.sink ? "true" : "false",
-             estimator_name(o.estimator));
+             estimator_name(resolved_estimator(o.estimator, o.causal)));
       printf(" \"inputs\": {\"data\": \"%s\", \"seed\": %llu}, \"workspace_bytes\": %zu,\n",
              o.data_random ? "random" : "clustered", (unsigned long long)o.seed, c.ws_bytes);
       printf(" \"blocks\": {\"block_q\": %d, \"block_k\": %d, \"q_blocks\": %lld, \"k_blocks\": %lld, "

@@ -115,10 +115,12 @@ typedef enum sparge_estimator {
   SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 = 2, /* KEYS_LSE for two groups of similar rows per query block, their
                                           block distributions averaged by group size (about twice the
                                           prediction cost of KEYS_LSE) */
-  SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE = 3 /* KEYS_LSE_SPLIT2 on the query blocks whose mean row is 0.25
-                                            to 0.75 of their rows' length (rows that share a direction
-                                            but spread), KEYS_LSE of the block's mean row on the
-                                            others (the cost follows the share of split blocks) */
+  SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE = 3, /* KEYS_LSE_SPLIT2 on the query blocks whose mean row is 0.25
+                                             to 0.75 of their rows' length (rows that share a direction
+                                             but spread), KEYS_LSE of the block's mean row on the
+                                             others (the cost follows the share of split blocks) */
+  SPARGE_ESTIMATOR_AUTO = 4        /* the default of the mode: KEYS_LSE_ADAPTIVE when not causal,
+                                      KEYS_LSE when causal (docs/ACCURACY.md, "Estimators") */
 } sparge_estimator_t;
 
 /* ------------------------------------------------------------------ tensors */
@@ -182,19 +184,22 @@ typedef struct sparge_predict_params {
   float pv_threshold;             /* PV skip; 0 (default) = off. Positive values
                                      are reserved: SPARGE_ERR_UNSUPPORTED today  */
   /* --- since 0.2 (read only when struct_size covers them; older callers get
-   *     the defaults: the mode's local window, KEYS_LSE) */
+   *     the defaults of the mode: local_window -1, SPARGE_ESTIMATOR_AUTO) */
   int32_t local_window;           /* w >= 1: keep the key blocks on the diagonal and
                                      w - 1 more on each side (counted in the budget);
                                      0: off; -1: the default of the mode           */
-  sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_KEYS_LSE (default; also for
-                                     callers of the 0.1 layout), _MEAN (SpargeAttn;
-                                     also what a zero-filled struct holds: start
-                                     from SPARGE_PREDICT_PARAMS_INIT)              */
+  sparge_estimator_t estimator;   /* SPARGE_ESTIMATOR_AUTO (default, also for
+                                     callers of the 0.1 layout: KEYS_LSE_ADAPTIVE
+                                     when not causal, KEYS_LSE when causal), or
+                                     one by name: _KEYS_LSE, _KEYS_LSE_ADAPTIVE,
+                                     _KEYS_LSE_SPLIT2, _MEAN (SpargeAttn; also what
+                                     a zero-filled struct holds: start from
+                                     SPARGE_PREDICT_PARAMS_INIT)                   */
 } sparge_predict_params_t;
 
 #define SPARGE_PREDICT_PARAMS_INIT                                                  \
   { sizeof(sparge_predict_params_t), SPARGE_SELECT_TOPK, 0.5f, 0.9f, -0.1f, 1, -1,   \
-    NULL, NULL, NULL, 0.0f, -1, SPARGE_ESTIMATOR_KEYS_LSE }
+    NULL, NULL, NULL, 0.0f, -1, SPARGE_ESTIMATOR_AUTO }
 
 /* ------------------------------------------------------------------ API */
 typedef struct sparge_plan* sparge_plan_t;

@@ -304,10 +304,12 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
     return fail(INV, "params->local_window is %d, expected -1 (default of the mode), 0 (off) or 1..1024",
                 int(window));
   if (estimator != SPARGE_ESTIMATOR_MEAN && estimator != SPARGE_ESTIMATOR_KEYS_LSE &&
-      estimator != SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 && estimator != SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE)
+      estimator != SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 && estimator != SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE &&
+      estimator != SPARGE_ESTIMATOR_AUTO)
     return fail(INV,
                 "params->estimator is %d, expected SPARGE_ESTIMATOR_MEAN (0), SPARGE_ESTIMATOR_KEYS_LSE (1), "
-                "SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 (2) or SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE (3)",
+                "SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2 (2), SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE (3) or "
+                "SPARGE_ESTIMATOR_AUTO (4, the default of the mode)",
                 int(estimator));
   const int32_t mode = raw_enum(in.mode);
   if (mode != SPARGE_SELECT_TOPK && mode != SPARGE_SELECT_CDF)
@@ -337,7 +339,7 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   const bool causal = plan.prob.causal;
   c.attention_sink = in.attention_sink == -1 ? default_sink(causal) : in.attention_sink != 0;
   c.local_window = window == -1 ? default_local_window(causal) : window;
-  c.estimator = sparge_estimator_t(estimator);
+  c.estimator = estimator == SPARGE_ESTIMATOR_AUTO ? default_estimator(causal) : sparge_estimator_t(estimator);
   c.topk_per_head = mode == SPARGE_SELECT_TOPK ? in.topk_per_head : nullptr;
   c.cdf_per_head = mode == SPARGE_SELECT_CDF ? in.cdf_threshold_per_head : nullptr;
   c.sim_per_head = in.sim_threshold_per_head;

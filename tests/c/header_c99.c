@@ -16,7 +16,7 @@ int main(void) {
     return 1;
   }
   if (params.struct_size != sizeof(params) || prob.struct_size != sizeof(prob)) return 1;
-  if (params.estimator != SPARGE_ESTIMATOR_KEYS_LSE) return 1; /* the default estimator */
+  if (params.estimator != SPARGE_ESTIMATOR_AUTO) return 1; /* the default estimator: the mode's */
   /* lengths 0 in the initializer: must be rejected with a message naming len_q */
   st = sparge_create_plan(&prob, &plan);
   if (st != SPARGE_ERR_INVALID_ARGUMENT || plan != NULL) return 1;

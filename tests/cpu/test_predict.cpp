@@ -546,7 +546,7 @@ TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved",
   for (int64_t qb = 0; qb < 3; ++qb) n += int64_t(kept_blocks(p, 0, 0, qb).size());
   CHECK(n == 3 * topk_n(0.5f, 11));
   // A caller compiled against the 0.1 layout (struct_size without local_window and estimator):
-  // those fields are not read, the defaults apply (the mode's window, KEYS_LSE).
+  // those fields are not read, the defaults apply (the mode's window and estimator).
   const auto mask_default = p.mask.snapshot();
   sparge_predict_params_t old = SPARGE_PREDICT_PARAMS_INIT;
   old.struct_size = offsetof(sparge_predict_params_t, local_window);
@@ -563,15 +563,17 @@ TEST_CASE("defaults: NULL params, kept_out optional, scale and blocks resolved",
   CHECK(got.struct_size == sizeof(sparge_problem_t));
 }
 
-// The default estimator is KEYS_LSE: SPARGE_PREDICT_PARAMS_INIT, NULL params and a caller of the 0.1 layout
-// (no estimator field) all predict its mask. One query block (every row 4 e0, scale 1/2) against eight key
-// blocks: block 1 holds one key 5 e0 and 63 keys -e0 (per-key log-sum-exp ~10, mean score -1.8), block 2
-// 64 keys e0 (log-sum-exp 6.2, mean score 2), the others zeros; the default sink keeps block 0, the default
-// non-causal window 1 the diagonal blocks 6 and 7 (rows aligned to the last keys), and top-k 0.5 one more:
-// block 1 for KEYS_LSE, block 2 for MEAN. (Without the window, top-k would keep two more.)
-TEST_CASE("the default estimator is KEYS_LSE (INIT, NULL params, the 0.1 layout)", "[cpu][predict][keys_lse]") {
+// The default estimator scores the keys' log-sum-exp, not MEAN: SPARGE_PREDICT_PARAMS_INIT (AUTO), NULL
+// params and a caller of the 0.1 layout (no estimator field) all predict KEYS_LSE's mask here. One query
+// block (every row 4 e0, scale 1/2: AUTO's KEYS_LSE_ADAPTIVE keeps it one group, whose mean row is the
+// pooled row) against eight key blocks: block 1 holds one key 5 e0 and 63 keys -e0 (per-key log-sum-exp
+// ~10, mean score -1.8), block 2 64 keys e0 (log-sum-exp 6.2, mean score 2), the others zeros; the
+// default sink keeps block 0, the default non-causal window 1 the diagonal blocks 6 and 7 (rows aligned
+// to the last keys), and top-k 0.5 one more: block 1 for KEYS_LSE, block 2 for MEAN. (Without the window,
+// top-k would keep two more.)
+TEST_CASE("the default estimator is not MEAN (INIT, NULL params, the 0.1 layout)", "[cpu][predict][keys_lse]") {
   const sparge_predict_params_t init = SPARGE_PREDICT_PARAMS_INIT;
-  CHECK(init.estimator == SPARGE_ESTIMATOR_KEYS_LSE);
+  CHECK(init.estimator == SPARGE_ESTIMATOR_AUTO);
   const int64_t Lq = 128, Lkv = 512, D = 4;
   sparge_problem_t prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, SPARGE_PRECISION_EXACT, false);
   Plan plan(prob);
@@ -601,6 +603,62 @@ TEST_CASE("the default estimator is KEYS_LSE (INIT, NULL params, the 0.1 layout)
   sparge_predict_params_t old = mean;  // a 0.1 caller: the estimator field is past its struct_size
   old.struct_size = offsetof(sparge_predict_params_t, local_window);
   CHECK(predicted(&old) == want_lse);
+}
+
+// SPARGE_ESTIMATOR_AUTO, the default, is KEYS_LSE_ADAPTIVE when not causal and KEYS_LSE when causal: the
+// same masks bit for bit, whether named, taken from SPARGE_PREDICT_PARAMS_INIT or NULL params, or implied by
+// the 0.1 layout. Every query block's rows form two clusters 120 degrees apart (the mean row about half the
+// rows' length, inside [0.25, 0.75): KEYS_LSE_ADAPTIVE splits every block), so the two estimators' masks
+// differ in both modes and the comparison can tell them apart.
+TEST_CASE("SPARGE_ESTIMATOR_AUTO: KEYS_LSE_ADAPTIVE when not causal, KEYS_LSE when causal",
+          "[cpu][predict][keys_lse]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t Lq = 128 * 8, Lkv = 2000, D = 64, H = 4;
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    Pred p = make_pred(1, H, 1, Lq, Lkv, D, 128, 64, causal, rng);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t qb = 0; qb < p.nQB; ++qb) {
+        std::vector<float> c1(static_cast<size_t>(D)), c2(static_cast<size_t>(D));
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = 0.4f * nd(rng), b = 0.4f * nd(rng);
+          c1[size_t(d)] = a;
+          c2[size_t(d)] = -0.5f * a + 0.866f * b;
+        }
+        for (int64_t i = qb * 128; i < qb * 128 + 128; ++i) {
+          const std::vector<float>& c = (i % 2) ? c2 : c1;  // equal halves, interleaved
+          for (int64_t d = 0; d < D; ++d) p.q.set(0, h, i, d, c[size_t(d)] + 0.05f * nd(rng));
+        }
+      }
+    Plan plan(p.prob);
+    auto predicted = [&](const sparge_predict_params_t* prm) {
+      REQUIRE(run_predict(plan, p.q, p.k, prm, p.mask, &p.kept) == SPARGE_OK);
+      check_masks_binary_and_kept(p);
+      return p.mask.snapshot();
+    };
+    sparge_predict_params_t lse = SPARGE_PREDICT_PARAMS_INIT, adaptive = lse, autom = lse, old = lse;
+    lse.estimator = SPARGE_ESTIMATOR_KEYS_LSE;
+    adaptive.estimator = SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
+    autom.estimator = SPARGE_ESTIMATOR_AUTO;
+    old.estimator = SPARGE_ESTIMATOR_MEAN;  // past a 0.1 caller's struct_size: not read
+    old.struct_size = offsetof(sparge_predict_params_t, local_window);
+    const auto m_lse = predicted(&lse), m_adaptive = predicted(&adaptive);
+    int64_t rows_differ = 0;
+    for (int64_t r = 0; r < H * p.nQB; ++r)
+      rows_differ += !std::equal(m_lse.begin() + r * p.nKB, m_lse.begin() + (r + 1) * p.nKB,
+                                 m_adaptive.begin() + r * p.nKB);
+    INFO("query-block rows where KEYS_LSE and KEYS_LSE_ADAPTIVE differ: " << rows_differ);
+    REQUIRE(rows_differ > 0);
+    const auto& want = causal ? m_lse : m_adaptive;
+    CHECK(predicted(&autom) == want);
+    const sparge_predict_params_t init = SPARGE_PREDICT_PARAMS_INIT;
+    CHECK(predicted(&init) == want);
+    CHECK(predicted(nullptr) == want);
+    CHECK(predicted(&old) == want);
+  }
 }
 
 TEST_CASE("top-k with a decimal fraction keeps the expected count (0.7 of 10 blocks is 7)", "[cpu][predict]") {

@@ -489,8 +489,21 @@ TEST_CASE("prediction parameters", "[cpu][validation]") {
     g.params.local_window = w;
     both("params->local_window", INV);
   }
-  g.params.estimator = sparge_estimator_t(99);
-  both("params->estimator", INV);
+  for (int32_t e : {99, 5, -1}) {  // 0..3 and SPARGE_ESTIMATOR_AUTO (4) only
+    INFO("estimator " << e);
+    g.params.estimator = sparge_estimator_t(e);
+    CHECK_FAILS(g.pred(), INV, "SPARGE_ESTIMATOR_AUTO (4");
+    both("params->estimator", INV);
+  }
+  {
+    Fixture ok;  // writes its outputs
+    for (int32_t e = 0; e <= 4; ++e) {
+      INFO("estimator " << e);
+      ok.params.estimator = sparge_estimator_t(e);
+      CHECK(ok.pred() == SPARGE_OK);
+      CHECK(ok.attn() == SPARGE_OK);
+    }
+  }
 
   g.params.mode = sparge_select_mode_t(5);
   both("params->mode", INV);

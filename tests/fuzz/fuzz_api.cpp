@@ -596,7 +596,7 @@ bool params_defect(Source& s, Params& pr) {
       return true;
     case 8:
       p.struct_size = sizeof(p);
-      set_enum(p.estimator, s.pick({1000, -1, 77}));
+      set_enum(p.estimator, s.pick({1000, -1, 5, 77}));
       pr.defect = expect_fail(INV, "params->estimator");
       return true;
     case 1: set_enum(p.mode, s.pick({2, -1, 77})); pr.defect = expect_fail(INV, "params->mode"); return true;

@@ -181,8 +181,11 @@ class _FakeSparge:
 
     def __init__(self, broken=False):
         self.broken = broken
+        self.estimators = set()  # of the predicted calls (top-k < 1; the dense call predicts nothing)
 
-    def predict_mask(self, q, k, *, is_causal=False, topk=0.5, precision="int8_fp8"):
+    def predict_mask(self, q, k, *, is_causal=False, topk=0.5, precision="int8_fp8", estimator="auto"):
+        if topk < 1.0:
+            self.estimators.add(estimator)
         B, H, N = q.shape[0], q.shape[1], q.shape[2]
         vis = sparge.visible_key_blocks(N, N, 128, 64, is_causal)
         m = torch.zeros(B, H, len(vis), -(-N // 64), dtype=torch.uint8)
@@ -190,12 +193,13 @@ class _FakeSparge:
             m[:, :, qb, :max(1, int(topk * nv))] = 1
         return m
 
-    def attention(self, q, k, v, *, mask=None, is_causal=False, topk=0.5, precision="int8_fp8",
+    def attention(self, q, k, v, *, mask=None, is_causal=False, topk=0.5, precision="int8_fp8", estimator="auto",
                   return_sparsity=False):
         if self.broken:
             out = v.clone()
         else:
-            m = mask if mask is not None else self.predict_mask(q, k, is_causal=is_causal, topk=topk)
+            m = mask if mask is not None else self.predict_mask(q, k, is_causal=is_causal, topk=topk,
+                                                                estimator=estimator)
             out = _dense_ref(q.float(), k.float(), v.float(), is_causal, m).to(q.dtype)
         if return_sparsity:
             return out, 0.5
@@ -227,10 +231,14 @@ def _args(**kw):
 @needs_torch
 @pytest.mark.parametrize("broken", [False, True])
 def test_one_shape_on_the_cpu(broken, tmp_path):
-    env = _CpuEnv(torch, _FakeSparge(broken), "cpu")
+    fake = _FakeSparge(broken)
+    env = _CpuEnv(torch, fake, "cpu")
     o = G.TimingOpts(warmup_ms=0.0, min_warmup=1, batches=3, batch_ms=1.0, max_calls=2)
     sh = G.Shape(2, 2, 256, 64, True)
     r = G.run_shape(env, sh, _args(), o)
+    # the predicted call names its estimator (--estimator, default keys_lse), whatever the library's default
+    assert G.parse_args([]).estimator == "keys_lse"
+    assert fake.estimators == {"keys_lse"}
     s, e, c, fa = (r.get(k) for k in ("sparge", "empty", "cudnn", "fa2"))
     # cuDNN does not run on the CPU: an error with its reason, the shape goes on
     assert c.error and "RuntimeError" in c.error and math.isnan(c.ms)

@@ -116,22 +116,55 @@ def test_estimator_option(rng):
         sparge.predict_mask(q, k, estimator="max")
 
 
-def test_default_estimator_is_keys_lse(rng):
+def two_cluster_inputs(rng, B=1, Hq=2, Hkv=1, Lq=1024, Lkv=2048, D=64):
+    """q, k, v whose query blocks (128 rows) hold two clusters of rows 120 degrees apart, interleaved: each
+    block's mean row is about half its rows' length, inside keys_lse_adaptive's [0.25, 0.75), so every block
+    is split and keys_lse_adaptive ranks with two rows where keys_lse ranks with one. Keys: per 64-key block
+    a random centre plus noise."""
+    q = np.empty((B, Hq, Lq, D), np.float32)
+    for b in range(B):
+        for h in range(Hq):
+            for r0 in range(0, Lq, 128):
+                c1 = 0.4 * rng.standard_normal(D)
+                c2 = -0.5 * c1 + 0.866 * 0.4 * rng.standard_normal(D)
+                n = min(128, Lq - r0)
+                rows = np.where((np.arange(n) % 2 == 1)[:, None], c2, c1)
+                q[b, h, r0:r0 + n] = rows + 0.05 * rng.standard_normal((n, D))
+    centres = np.repeat(rng.standard_normal((B, Hkv, -(-Lkv // 64), D)), 64, axis=2)[:, :, :Lkv]
+    k = (centres + 0.3 * rng.standard_normal((B, Hkv, Lkv, D))).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Lkv, D)).astype(np.float32)
+    return q, k, v
+
+
+def test_default_estimator_is_auto(rng):
+    """The default estimator "auto" is keys_lse_adaptive when not causal and keys_lse when causal (the
+    library resolves it): the same masks and outputs as naming them, in every entry point."""
     import inspect
 
     from sparge import _plan, distributed
 
     for fn in (sparge.attention, sparge.predict_mask, sparge.sdpa, _plan.Plan.run, _plan.Plan.predict,
                distributed.ring_attention, distributed.ulysses_attention):
-        assert inspect.signature(fn).parameters["estimator"].default == "keys_lse", fn
+        assert inspect.signature(fn).parameters["estimator"].default == "auto", fn
+    q, k, v = two_cluster_inputs(rng)
+    for causal in (False, True):
+        lse = sparge.predict_mask(q, k, is_causal=causal, estimator="keys_lse")
+        adaptive = sparge.predict_mask(q, k, is_causal=causal, estimator="keys_lse_adaptive")
+        assert not np.array_equal(lse, adaptive), "the inputs must tell the two estimators apart"
+        want = lse if causal else adaptive
+        np.testing.assert_array_equal(sparge.predict_mask(q, k, is_causal=causal), want)
+        np.testing.assert_array_equal(sparge.predict_mask(q, k, is_causal=causal, estimator="auto"), want)
+        with sparge.Plan(1, 2, 1024, 64, heads_kv=1, len_kv=2048, dtype="float32", device="cpu",
+                         is_causal=causal) as plan:
+            np.testing.assert_array_equal(np.asarray(plan.predict(q, k)), want)
+        out = sparge.attention(q, k, v, is_causal=causal, precision="exact")
+        np.testing.assert_array_equal(out, sparge.attention(q, k, v, is_causal=causal, mask=want, precision="exact"))
+    # the spike inputs: the default is not the mean rule
     q, k, v = spike_inputs(rng)
-    lse = sparge.predict_mask(q, k, topk=0.25, estimator="keys_lse")
-    np.testing.assert_array_equal(sparge.predict_mask(q, k, topk=0.25), lse)
-    with sparge.Plan(1, 2, 512, 32, heads_kv=1, len_kv=2048, dtype="float32", device="cpu") as plan:
-        np.testing.assert_array_equal(np.asarray(plan.predict(q, k, topk=0.25)), lse)
     out = sparge.attention(q, k, v, topk=0.25, precision="exact")
-    np.testing.assert_array_equal(out, sparge.attention(q, k, v, mask=lse, precision="exact"))
     assert not np.array_equal(out, sparge.attention(q, k, v, topk=0.25, precision="exact", estimator="mean"))
+    with pytest.raises(sparge.InvalidArgumentError, match="auto"):
+        sparge.predict_mask(q, k, estimator="AUTO")
 
 
 def test_keys_lse_rounds_the_pooled_row_to_the_key_type():

@@ -79,13 +79,22 @@ def test_malformed_files(tmp_path, text, needle):
 
 
 def test_estimator_default_and_older_files(tmp_path):
-    # a layer made without an estimator takes the library's default; the file always names it
+    # a layer made without an estimator takes the library's default, "auto"; the file always names the
+    # estimator it resolves to: keys_lse for a causal layer, keys_lse_adaptive otherwise
     layer = T.TunedLayer("a", 1, True, "topk", True, 1, [0.5], [-0.1])
-    assert layer.estimator == "keys_lse" and layer.kwargs()["estimator"] == "keys_lse"
+    assert layer.estimator == "auto" and layer.kwargs()["estimator"] == "auto"
     path = str(tmp_path / "new.txt")
     T.write_tuned(path, [layer])
     assert " estimator keys_lse\n" in open(path).read()
     assert sparge.load_tuned(path)["a"].estimator == "keys_lse"
+    T.write_tuned(path, [T.TunedLayer("b", 1, False, "topk", True, 1, [0.5], [-0.1])])
+    assert " causal 0 mode topk sink 1 window 1 estimator keys_lse_adaptive\n" in open(path).read()
+    assert sparge.load_tuned(path)["b"].estimator == "keys_lse_adaptive"
+    # "auto" is not a file's estimator
+    bad = tmp_path / "auto.txt"
+    bad.write_text(open(path).read().replace("keys_lse_adaptive", "auto"))
+    with pytest.raises(T.TunedFileError, match="estimator must be"):
+        sparge.load_tuned(str(bad))
     # a layer line without the estimator pair, as written before sparge tune chose the estimator (when the
     # library's default was the mean rule), still means mean
     old = tmp_path / "old.txt"
@@ -141,7 +150,7 @@ def test_command_line(tmp_path):
 
 def test_ties_go_to_keys_lse_across_settings(rng, monkeypatch):
     """Equal density for a mean candidate visited early (no sink, no window) and a keys_lse one with
-    another sink: the tuner keeps keys_lse (the default), whatever the order of the settings."""
+    another sink: the tuner keeps keys_lse (the cheapest estimator), whatever the order of the settings."""
     cap = _small_capture(rng, False)
 
     class Fake:
@@ -166,12 +175,12 @@ def test_ties_go_to_keys_lse_across_settings(rng, monkeypatch):
 @pytest.mark.parametrize("cheap,chosen", [
     (("keys_lse_adaptive",), "keys_lse_adaptive"),  # tried
     (("keys_lse_adaptive", "keys_lse_split2"), "keys_lse_adaptive"),  # a tie with split2: the cheaper
-    (("keys_lse", "keys_lse_adaptive"), "keys_lse"),  # a tie with keys_lse (no block split): the default
+    (("keys_lse", "keys_lse_adaptive"), "keys_lse"),  # a tie with keys_lse (no block split): the cheapest
     (("keys_lse_split2",), "keys_lse_split2"),
 ])
 def test_tune_tries_adaptive_before_split2(rng, monkeypatch, cheap, chosen):
     """sparge tune considers keys_lse_adaptive, after keys_lse and before keys_lse_split2: of equal
-    densities the default wins, then the estimator that splits fewer blocks."""
+    densities keys_lse wins, then the estimator that splits fewer blocks."""
     cap = _small_capture(rng, False)
 
     class Fake:

@@ -197,6 +197,21 @@ def test_adaptive_twin_on_real_captures(path):
         assert (lib != mine).any(axis=-1).sum() <= 1, st.label()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_auto_is_the_default_estimator_of_the_mode(rng, causal):
+    """Setting(estimator="auto") is the library's default: keys_lse when causal, keys_lse_adaptive
+    otherwise, through the library (which resolves it) and through the numpy twins."""
+    assert Y.default_estimator(causal) == ("keys_lse" if causal else "keys_lse_adaptive")
+    assert Y.resolve_estimator("auto", causal) == Y.default_estimator(causal)
+    assert Y.resolve_estimator("mean", causal) == "mean"
+    cap = _random_capture(rng, 2, 1, 640, 32, causal)
+    auto, named = Y.Setting(topk=0.3, estimator="auto"), Y.Setting(topk=0.3, estimator=Y.default_estimator(causal))
+    np.testing.assert_array_equal(Y.library_mask(cap, auto), Y.library_mask(cap, named))
+    for lib in (False, True):
+        a, b = Y.evaluate(cap, [auto, named], use_library=lib)
+        assert a.pred.as_dict() == b.pred.as_dict() and a.oracle.as_dict() == b.oracle.as_dict()
+
+
 def test_oracle_is_optimal_and_meets_counts(rng):
     cap = _random_capture(rng, 2, 1, 640, 32, True)
     for est in Y.ESTIMATORS:
@@ -217,10 +232,12 @@ def test_oracle_curve_monotone(rng):
 @pytest.mark.skipif(not CAPTURES, reason="no committed captures")
 @pytest.mark.parametrize("path", CAPTURES, ids=[os.path.basename(p) for p in CAPTURES])
 def test_real_captures_defaults(path):
-    """Real activations: the library's default rule never leaves a row without a kept key, and
-    keeps its documented distance to the oracle (docs/ACCURACY.md) on these small slices."""
+    """Real activations: the library's default rule (the default estimator "auto", and the mean rule of
+    SpargeAttn) never leaves a row without a kept key, and keeps its documented distance to the oracle
+    (docs/ACCURACY.md) on these small slices."""
     cap = Y.load(path)
-    res = Y.evaluate(cap, [Y.Setting(topk=0.2), Y.Setting(topk=0.5)], use_library=True)
+    res = Y.evaluate(cap, [Y.Setting(topk=t, estimator=e) for e in ("auto", "mean") for t in (0.2, 0.5)],
+                     use_library=True)
     for r in res:
         assert r.pred.zero_rows == 0
         assert r.pred.rel_l1 <= 3.0 * r.oracle.rel_l1 + 0.02, r.row()

@@ -2,7 +2,8 @@
 """Plot and tables of docs/ACCURACY.md ("Predicted masks") from the JSON of tools/accuracy/sweep.py:
 relative L1 against dense attention versus block density, per model and layer depth — the oracle
 curve, the mean rule with the default sink and window, the same rule without sink or window
-(the 0.1 defaults), keys_lse (the default estimator) and the other estimators.
+(the 0.1 defaults), the default estimator ("auto": keys_lse when causal, keys_lse_adaptive otherwise),
+keys_lse and the other estimators.
 
     python3 tools/accuracy/plot.py sweep.json --png docs/accuracy-masks.png --markdown tables.md
 """
@@ -44,6 +45,9 @@ def plot(data, png):
         ax.plot(x, y, "b-o", ms=3, label="mean, defaults")
         x, y = series(cap, "keys_lse", None, None)
         ax.plot(x, y, "g-s", ms=3, label="keys_lse, defaults")
+        x, y = series(cap, "auto", None, None)
+        if x:
+            ax.plot(x, y, "m:^", ms=3, label="default estimator (auto), defaults")
         ax.set_yscale("log")
         ax.set_xlim(0, 0.75)
         ax.set_title(cap["capture"], fontsize=9)
@@ -65,15 +69,21 @@ def _find(cap, est, topk, sink, window, topp=None):
     return None
 
 
+def _find_default(cap, topk):
+    """The default estimator's row ("auto"; sweeps without it: the estimator it resolves to)."""
+    return _find(cap, "auto", topk, None, None) or _find(cap, Y.default_estimator(cap["causal"]), topk, None, None)
+
+
 def tables(data):
     """Three markdown tables: the defaults against the oracle, the estimators, keys_lse's windows."""
     out = ["| capture | top-k | mean, no sink, no window: density / rel. L1 / ×oracle | mean, default sink and "
-           "window: density / rel. L1 / oracle / ×oracle | keys_lse (the default): rel. L1 / ×oracle | zero rows |",
+           "window: density / rel. L1 / oracle / ×oracle | the default estimator (auto): rel. L1 / ×oracle "
+           "| zero rows |",
            "|---|---:|---|---|---|---:|"]
     for cap in data:
         s, w = Y.default_sink(cap["causal"]), Y.default_window(cap["causal"])
         for t in (0.2, 0.5):
-            old, new, lse = _find(cap, "mean", t, False, 0), _find(cap, "mean", t, s, w), _find(cap, "keys_lse", t, None, None)
+            old, new, lse = _find(cap, "mean", t, False, 0), _find(cap, "mean", t, s, w), _find_default(cap, t)
             if not (old and new and lse):
                 continue
             zero = old["pred_zero_rows"] + new["pred_zero_rows"] + lse["pred_zero_rows"]

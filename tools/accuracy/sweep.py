@@ -21,16 +21,17 @@ CURVE = [0.05, 0.1, 0.2, 0.3, 0.5, 0.7]
 
 def settings(causal: bool, full: bool):
     """The 0.1 defaults (no sink, no window), the current defaults (sink; window 2 when causal, 1
-    otherwise) and sink / window variants with the mean rule; every estimator with the current defaults;
-    keys_lse with the other windows 0-3; top-k combined with top-p."""
+    otherwise) and sink / window variants with the mean rule; every estimator with the current defaults,
+    among them "auto" (the default estimator of the mode: keys_lse when causal, keys_lse_adaptive
+    otherwise); keys_lse with the other windows 0-3; top-k combined with top-p."""
     dens = CURVE if full else [0.2, 0.5]
     out = []
     sw = [(False, 0), (True, 0), (True, 1), (True, 2)] if causal else [(False, 0), (True, 0), (True, 1)]
     for t in dens:
         for s, w in sw:
             out.append(Y.Setting(topk=t, sink=s, window=w, estimator="mean"))
-    for est in ["keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2", "keys_lse_adaptive"]:
-        for t in dens if est == "keys_lse" else [0.2, 0.5]:
+    for est in ["auto", "keys_lse", "pooledq_max", "rows4", "antidiag8", "keys_lse_split2", "keys_lse_adaptive"]:
+        for t in dens if est in ("auto", "keys_lse") else [0.2, 0.5]:
             out.append(Y.Setting(topk=t, sink=None, window=None, estimator=est))
     for t in [0.2, 0.5]:
         for w in range(4):

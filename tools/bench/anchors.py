@@ -52,7 +52,10 @@ class PredictParams(ctypes.Structure):
                 ("cdf_threshold", ctypes.c_float), ("sim_threshold", ctypes.c_float), ("smooth_k", ctypes.c_int32),
                 ("attention_sink", ctypes.c_int32), ("topk_per_head", ctypes.c_void_p),
                 ("cdf_threshold_per_head", ctypes.c_void_p), ("sim_threshold_per_head", ctypes.c_void_p),
-                ("pv_threshold", ctypes.c_float)]
+                ("pv_threshold", ctypes.c_float), ("local_window", ctypes.c_int32), ("estimator", ctypes.c_int)]
+
+
+SPARGE_ESTIMATOR_KEYS_LSE = 1
 
 
 class Sparge:
@@ -103,7 +106,10 @@ class Sparge:
             self.check(self.lib.sparge_plan_workspace_size(plan, ctypes.byref(wsb)), "workspace_size")
             ws = torch.empty(max(wsb.value, 1), dtype=torch.uint8, device=q.device)
             out = torch.full_like(q, float("nan"))
-            prm = PredictParams(ctypes.sizeof(PredictParams), 0, topk, 0.9, -0.1, 1, 0, None, None, None, 0.0)
+            # local window -1: the default of the mode; the estimator named (KEYS_LSE, the default before the
+            # per-mode SPARGE_ESTIMATOR_AUTO), so that the anchor does not follow the library's default
+            prm = PredictParams(ctypes.sizeof(PredictParams), 0, topk, 0.9, -0.1, 1, 0, None, None, None, 0.0, -1,
+                                SPARGE_ESTIMATOR_KEYS_LSE)
             qd, kd, vd, od = (self.desc(t, dt) for t in (q, k, v, out))
             md = self.desc(mask, SPARGE_DTYPE_UINT8) if mask is not None else None
             stream = torch.cuda.current_stream().cuda_stream

@@ -11,7 +11,9 @@ One run compares, per shape, as a user calls them:
   cuDNN          F.scaled_dot_product_attention in bf16 under sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
   FA2            the same under sdpa_kernel(SDPBackend.FLASH_ATTENTION) (FlashAttention-2)
   --sparse       libsparge on random block masks of density 0.5, 0.2, 0.1 at N >= 8K (time over own dense)
-  --pred         the default predicted call sparge.attention(q, k, v, is_causal=...) (mask=None, top-k 0.5)
+  --pred         the predicted call sparge.attention(q, k, v, is_causal=..., estimator=...) (mask=None, top-k
+                 0.5, the other prediction defaults; --estimator, default keys_lse: the estimator of the
+                 published numbers, named explicitly so that a change of the library's default does not move them)
 
 Grid: B in {1, 8, 64}, N = Lq = Lkv in {1K, 2K, 4K, 8K, 32K}, D in {128, 64}, causal and not; H = 32 at
 D = 128 and H = 12 at D = 64 (Hq = Hkv; --heads). Shapes with B*N above --max-tokens (262144) are listed as
@@ -630,16 +632,17 @@ def run_shape(env: "Env", sh: Shape, args: argparse.Namespace, o: TimingOpts) ->
             except Exception as e:  # noqa: BLE001
                 m.error = str(e)
     if args.pred:
-        topk = args.topk
+        topk, est = args.topk, args.estimator
 
         def pred(i: int) -> Any:
-            return sparge.attention(sets[i][0], sets[i][1], sets[i][2], is_causal=causal, topk=topk, precision=prec)
+            return sparge.attention(sets[i][0], sets[i][1], sets[i][2], is_causal=causal, topk=topk, precision=prec,
+                                    estimator=est)
 
         m = Meas("pred", "libsparge predicted (top-k %g)" % topk, pred, density=float("nan"))
         extra.append(m)
         try:
-            pm = sparge.predict_mask(q0, k0, is_causal=causal, topk=topk, precision=prec)
-            out, dens = sparge.attention(q0, k0, v0, is_causal=causal, topk=topk, precision=prec,
+            pm = sparge.predict_mask(q0, k0, is_causal=causal, topk=topk, precision=prec, estimator=est)
+            out, dens = sparge.attention(q0, k0, v0, is_causal=causal, topk=topk, precision=prec, estimator=est,
                                          return_sparsity=True)
             m.density = float(dens)
             r = ref_rows(q0, k0, v0, rows, bsel, causal, block_mask=pm)
@@ -860,7 +863,8 @@ def md_report(results: List[ShapeResult], header: str, footer: List[str]) -> str
                   "| B | H | N | D | causal | density | ms | x own dense | target | TFLOPS (dense-eq.) | min cos |",
                   "|---:|---:|---:|---:|:---:|---:|---:|---:|---|---:|---:|"] + sparse_rows
     if pred_rows:
-        lines += ["", "Default predicted call (mask=None; density as predicted; TFLOPS dense-equivalent):", "",
+        lines += ["", "Predicted call (mask=None, the footer's top-k and estimator; density as predicted; TFLOPS "
+                  "dense-equivalent):", "",
                   "| B | H | N | D | causal | density | ms | x cuDNN | x own dense | TFLOPS (dense-eq.) | min cos |",
                   "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|"] + pred_rows
     if notes:
@@ -907,6 +911,8 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sparse-min-n", type=int, default=8192, help="smallest N of --sparse (default 8192)")
     ap.add_argument("--pred", action="store_true", help="add the default predicted call (mask=None) at --topk")
     ap.add_argument("--topk", type=float, default=0.5, help="top-k of --pred (default 0.5)")
+    ap.add_argument("--estimator", default="keys_lse",
+                    help="estimator of --pred (default keys_lse; auto: the library's default of the mode)")
     ap.add_argument("--no-fa2", action="store_true", help="leave out the FLASH_ATTENTION backend")
     ap.add_argument("--warmup-ms", type=float, default=50.0, help="warm-up per measurement (default 50 ms, 2 calls "
                                                                   "at least)")
@@ -1064,9 +1070,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             commit, date),
         "Heads: %s (Hq = Hkv). Inputs bf16 random normal, HND [B, H, N, D]; calls rotate among 2-4 input sets "
         "when one set is small against the L2. libsparge: `sparge.attention(q, k, v, topk=1.0, is_causal=...)` "
-        "eager, precision %s (the dense call); empty mask: an all-zeros block mask. cuDNN / FA2: "
+        "eager, precision %s (the dense call); empty mask: an all-zeros block mask.%s cuDNN / FA2: "
         "`F.scaled_dot_product_attention` under `sdpa_kernel(CUDNN_ATTENTION / FLASH_ATTENTION)`."
-        % (heads_text(args.d, args.heads), args.precision),
+        % (heads_text(args.d, args.heads), args.precision,
+           " Predicted call: top-k %g, estimator %s." % (args.topk, args.estimator) if args.pred else ""),
         "Timing: warm-up, then %d batches of back-to-back calls (about %g ms each, at most %d calls; calls over "
         "%g ms / %d: fewer batches, 3 at least), one CUDA event pair per batch with the device idle at its "
         "start, batches of the libraries interleaved; median per-call ms. x cuDNN = cuDNN ms / libsparge ms "

@@ -120,7 +120,7 @@ class _Resolved:
 def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: str, mode: str,
              cdf_threshold: Optional[PerHead], sim_threshold: PerHead, smooth_k: bool,
              attention_sink: Optional[bool], local_window: Optional[int], precision: str,
-             block_size: Any, estimator: str = "keys_lse") -> _Resolved:
+             block_size: Any, estimator: str = "auto") -> _Resolved:
     lay = core.parse_layout(layout)
     md = core.parse_mode(mode)
     prec = core.parse_precision(precision)
@@ -280,7 +280,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
               scale: Optional[float] = None, layout: str = "HND", mask: Optional[ArrayLike] = None,
               mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
               smooth_k: bool = True, attention_sink: Optional[bool] = None,
-              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "auto",
+              local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
               block_size: Tuple[int, int] = (128, 64), return_sparsity: bool = False,
               return_lse: bool = False, stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Block-sparse attention with a predicted (or given) block mask.
@@ -310,10 +310,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         local_window: w >= 1 keeps the key blocks on the diagonal and w - 1 more on each side, counted
             in the budget; 0: off; None: the default of the mode (2 when causal, 1 otherwise). With
             ``is_causal`` the first diagonal block is always kept, so no query row is left without a key.
-        estimator: block importance: "keys_lse" (default: mean-pooled Q against every key, log-sum-exp
-            per key block; closest to the oracle mask, docs/ACCURACY.md), "keys_lse_split2" (keys_lse for
-            two groups of similar rows per query block, their block distributions averaged: closer still
-            on vision transformers at about twice the prediction cost), "keys_lse_adaptive"
+        estimator: block importance: "auto" (default: "keys_lse_adaptive" when not causal, "keys_lse"
+            when causal, the closest to the oracle mask in each mode, docs/ACCURACY.md, "Estimators"),
+            "keys_lse" (mean-pooled Q against every key, log-sum-exp per key block), "keys_lse_split2"
+            (keys_lse for two groups of similar rows per query block, their block distributions averaged:
+            closer on vision transformers at about twice the prediction cost), "keys_lse_adaptive"
             (keys_lse_split2 on the query blocks whose mean row is short against their rows but not near
             zero, 0.25 <= |mean| / the rows' mean length < 0.75: rows that share a direction but spread;
             keys_lse on the others, so the cost follows the share of split blocks)
@@ -427,7 +428,7 @@ def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: 
                  scale: Optional[float] = None, layout: str = "HND", mode: str = "topk",
                  cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
                  smooth_k: bool = True, attention_sink: Optional[bool] = None,
-              local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "auto",
+              local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
                  block_size: Tuple[int, int] = (128, 64), return_kept: bool = False,
                  stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Predicts the block mask that :func:`attention` would use.

@@ -244,7 +244,7 @@ class SpargePredictParams(ctypes.Structure):
             mode=SELECT_TOPK, topk=0.5, cdf_threshold=0.9, sim_threshold=-0.1,
             smooth_k=1, attention_sink=-1, topk_per_head=None,
             cdf_threshold_per_head=None, sim_threshold_per_head=None, pv_threshold=0.0,
-            local_window=-1, estimator=1,
+            local_window=-1, estimator=4,
         )
         defaults.update(kw)
         super().__init__(struct_size=ctypes.sizeof(SpargePredictParams), **defaults)

@@ -50,7 +50,9 @@ class Options(NamedTuple):
 
 
 # ------------------------------------------------------------------ argument checking
-ESTIMATORS = {"mean": 0, "keys_lse": 1, "keys_lse_split2": 2, "keys_lse_adaptive": 3}
+# "auto" (SPARGE_ESTIMATOR_AUTO, the default): keys_lse_adaptive when not causal, keys_lse when causal,
+# resolved by the library.
+ESTIMATORS = {"mean": 0, "keys_lse": 1, "keys_lse_split2": 2, "keys_lse_adaptive": 3, "auto": 4}
 
 
 def parse_estimator(e: Any) -> int:

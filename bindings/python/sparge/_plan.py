@@ -183,7 +183,7 @@ class Plan:
     def run(self, q: Any, k: Any, v: Any, *, mask: Optional[Any] = None, topk: PerHead = 0.5,
             mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
             smooth_k: bool = True, attention_sink: Optional[bool] = None, local_window: Optional[int] = None,
-            estimator: str = "keys_lse", layout: str = "HND", out: Optional[Any] = None,
+            estimator: str = "auto", layout: str = "HND", out: Optional[Any] = None,
             workspace: Optional[Any] = None, return_lse: bool = False, stream: Optional[int] = None) -> Any:
         """:func:`sparge.attention` on this plan. ``workspace``: a 1-D buffer of at least
         :attr:`workspace_size` bytes on the plan's device (default: the package's cached one).
@@ -194,7 +194,7 @@ class Plan:
 
     def predict(self, q: Any, k: Any, *, topk: PerHead = 0.5, mode: str = "topk",
                 cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1, smooth_k: bool = True,
-                attention_sink: Optional[bool] = None, local_window: Optional[int] = None, estimator: str = "keys_lse",
+                attention_sink: Optional[bool] = None, local_window: Optional[int] = None, estimator: str = "auto",
                 layout: str = "HND", out: Optional[Any] = None,
                 workspace: Optional[Any] = None, return_kept: bool = False, stream: Optional[int] = None) -> Any:
         """:func:`sparge.predict_mask` on this plan (``out``: a uint8 :attr:`mask_shape` array)."""

@@ -26,7 +26,7 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
          is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
          topk: PerHead = 0.5, mode: str = "topk", cdf_threshold: Optional[PerHead] = None,
          sim_threshold: PerHead = -0.1, smooth_k: bool = True, attention_sink: Optional[bool] = None,
-         local_window: Optional[int] = None, estimator: str = "keys_lse",
+         local_window: Optional[int] = None, estimator: str = "auto",
          precision: str = "auto", block_size: Tuple[int, int] = (128, 64), out: Optional[Any] = None,
          stream: Optional[int] = None) -> Any:
     """Block-sparse attention with the signature and semantics of

@@ -21,7 +21,7 @@ deliberate:
   count instead of the original's causal approximation).
 * Causality is exact at token level and bottom-right aligned.
 * Block importance is the original's mean rule (``estimator="mean"``), not
-  libsparge's default ``"keys_lse"``. Key block 0 (the attention sink) is kept
+  libsparge's default ``"auto"``. Key block 0 (the attention sink) is kept
   also with ``attention_sink=False``, and the local window is 2 blocks when
   causal, off otherwise (``ATTENTION_SINK``, ``LOCAL_WINDOW``), whatever the
   library's defaults.

@@ -268,7 +268,7 @@ def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: b
                       zigzag: Optional[bool] = None, layout: str = "HND", mask: Any = None,
                       topk: Any = 0.5, mode: str = "topk", cdf_threshold: Any = None, sim_threshold: Any = -0.1,
                       smooth_k: bool = True, attention_sink: Optional[bool] = None,
-                      local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "auto",
+                      local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
                       block_size: Tuple[int, int] = (128, 64), scale: Optional[float] = None,
                       return_lse: bool = False, return_mask: bool = False) -> Any:
     """Sparse attention over the whole sequence, Ulysses style (all-to-all over heads).
@@ -418,7 +418,7 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
                    zigzag: Optional[bool] = None, layout: str = "HND", mask: Any = None,
                    topk: Any = 0.5, mode: str = "topk", cdf_threshold: Any = None, sim_threshold: Any = -0.1,
                    smooth_k: bool = True, attention_sink: Optional[bool] = None,
-                      local_window: Optional[int] = None, estimator: str = "keys_lse", precision: str = "auto",
+                      local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
                    block_size: Tuple[int, int] = (128, 64), scale: Optional[float] = None,
                    return_lse: bool = False, return_mask: bool = False) -> Any:
     """Sparse attention over the whole sequence, ring style (K/V shards travel around the ring).

@@ -23,7 +23,9 @@ File format (UTF-8 text, one item per line, ``#`` starts a comment)::
     end
 
 NAME has no spaces; layers appear in any order, each once. A layer line without the ``estimator``
-pair (as written before ``sparge tune`` chose the estimator) means ``mean``.
+pair (as written before ``sparge tune`` chose the estimator) means ``mean``. The file always names a
+concrete estimator, never ``auto`` (a ``TunedLayer`` whose estimator is ``"auto"``, the library's default,
+is written as the estimator that resolves to for its ``causal`` flag).
 
     python3 -m sparge tune CAPTURES.npz ... --rel-l1 0.05 --out tuned.txt     (or: sparge tune ...)
 """
@@ -56,7 +58,7 @@ class TunedLayer:
     window: int
     values: List[float]  # per head: top-k fraction or CDF threshold
     sim_threshold: List[float]
-    estimator: str = "keys_lse"
+    estimator: str = "auto"  # the library's default; written as the estimator it resolves to for `causal`
     metric: str = "rel_l1"
     measured: float = float("nan")
     density: float = float("nan")
@@ -80,7 +82,8 @@ def write_tuned(path: str, layers: Sequence[TunedLayer]) -> None:
             if not t.name or any(c.isspace() for c in t.name):
                 raise ValueError("layer name %r: expected a non-empty name without spaces" % t.name)
             f.write("layer %s heads %d causal %d mode %s sink %d window %d estimator %s\n"
-                    % (t.name, t.heads, int(t.causal), t.mode, int(t.sink), t.window, t.estimator))
+                    % (t.name, t.heads, int(t.causal), t.mode, int(t.sink), t.window,
+                       Y.resolve_estimator(t.estimator, t.causal)))
             f.write("%s %s\n" % ("topk" if t.mode == "topk" else "cdf_threshold", " ".join("%.6g" % v for v in t.values)))
             f.write("sim_threshold %s\n" % " ".join("%.6g" % v for v in t.sim_threshold))
             f.write("measured %s %.6g density %.6g target %.6g\n" % (t.metric, t.measured, t.density, t.target))
@@ -206,8 +209,9 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
     if any(c.causal != causal or c.Hq != Hq for c in caps):
         raise ValueError("layer %s: captures differ in causality or head count" % name)
     sw = [(True, 1), (True, 2), (False, 1)] if causal else [(False, 0), (True, 0), (False, 1), (True, 1)]
-    # the default first: it wins ties; keys_lse_adaptive before keys_lse_split2, so that where the two give
-    # the same density (adaptive splits the blocks that matter) the cheaper one wins
+    # the cheapest first: keys_lse wins ties; keys_lse_adaptive before keys_lse_split2, so that where the two
+    # give the same density (adaptive splits the blocks that matter) the cheaper one wins. The file names the
+    # concrete estimator, never "auto"
     ests = ("keys_lse", "keys_lse_adaptive", "keys_lse_split2", "mean")
     cands = [_Cand(s, w, "topk", t, sim, e) for e in ests for s, w in sw for t in topk_grid for sim in sim_grid]
     cands += [_Cand(s, w, "cdf", c, sim, e) for e in ests for s, w in sw for c in cdf_grid for sim in sim_grid]
@@ -234,7 +238,7 @@ def tune_layer(name: str, caps: Sequence[Y.Capture], metric: str, target: float,
                 progress(name, done, steps)
     best: Optional[tuple] = None
     # estimator outermost: every keys_lse group is visited before any other, so that a tie (equal
-    # density, the first minimum wins) goes to the default whatever the sink, window and mode
+    # density, the first minimum wins) goes to keys_lse whatever the sink, window and mode
     for est, (s, w), mode in ((e, x, m) for e in ests for x in sw for m in ("topk", "cdf")):
         group = [c for c in cands if c.sink == s and c.window == w and c.mode == mode and c.estimator == est]
         vals, sims, dens = [], [], []

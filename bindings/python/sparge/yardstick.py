@@ -11,7 +11,9 @@ From captured Q, K, V of one attention layer (an .npz written by tools/accuracy/
 - the oracle mask of a mask: per row, the same number of blocks, taken by largest exact mass;
 - masks of several block-importance estimators (``ESTIMATORS``) under the library's selection rule
   (top-k or CDF, sink and local window counted in the budget, causal diagonal block always kept),
-  and the library's own mask (``sparge.predict_mask`` on the CPU backend) for the default rule.
+  and the library's own mask (``sparge.predict_mask`` on the CPU backend) for the library's
+  estimators (``LIBRARY_ESTIMATORS``). ``"auto"`` is the library's default of the capture's mode
+  (``default_estimator``).
 
 Restricting softmax to a subset of keys renormalises the dense probabilities, so every mask is
 evaluated from per-block partial sums of one dense pass: sum_kb keep * (P_kb V_kb) / sum_kb keep * l_kb.
@@ -496,7 +498,7 @@ class Setting:
     sink: Optional[bool] = None  # None: default of the mode
     window: Optional[int] = None
     topp: Optional[float] = None  # top-k combined with top-p: also stop once this mass is reached
-    estimator: str = "mean"
+    estimator: str = "mean"  # or "auto": the library's default of the capture's mode (default_estimator)
 
     def label(self) -> str:
         sel = ("topk %.3g" % self.topk) if self.topk is not None else ("cdf %.3g" % self.cdf)
@@ -515,6 +517,17 @@ def default_sink(causal: bool) -> bool:
 def default_window(causal: bool) -> int:
     """The library's local_window = -1 (None): 2 when causal, 1 otherwise."""
     return 2 if causal else 1
+
+
+def default_estimator(causal: bool) -> str:
+    """The library's estimator "auto" (SPARGE_ESTIMATOR_AUTO, the default): keys_lse when causal,
+    keys_lse_adaptive otherwise."""
+    return "keys_lse" if causal else "keys_lse_adaptive"
+
+
+def resolve_estimator(name: str, causal: bool) -> str:
+    """An estimator name with "auto" replaced by the default of the mode."""
+    return default_estimator(causal) if name == "auto" else name
 
 
 def budget_forced(qb: int, nv: int, Lq: int, Lkv: int, causal: bool, sink: Optional[bool],
@@ -573,12 +586,13 @@ def select(scores: np.ndarray, st: Setting, Lq: int, Lkv: int, causal: bool) -> 
     return mask
 
 
-LIBRARY_ESTIMATORS = ("mean", "keys_lse", "keys_lse_split2", "keys_lse_adaptive")
+LIBRARY_ESTIMATORS = ("mean", "keys_lse", "keys_lse_split2", "keys_lse_adaptive", "auto")
 
 
 def library_mask(cap: Capture, st: Setting) -> np.ndarray:
     """sparge.predict_mask (CPU backend, float32 inputs) for the library's estimators ("mean",
-    "keys_lse", "keys_lse_split2", "keys_lse_adaptive"): [Hq, nQB, nKB]."""
+    "keys_lse", "keys_lse_split2", "keys_lse_adaptive", and "auto", which the library resolves by the
+    capture's causality): [Hq, nQB, nKB]."""
     from . import _api as sparge
 
     kw = dict(is_causal=cap.causal, scale=cap.sc, precision="exact", attention_sink=st.sink,
@@ -625,9 +639,10 @@ def evaluate(cap: Capture, settings: Sequence[Setting], heads: Optional[Iterable
             if i in lib_masks:
                 mask = lib_masks[i][h]
             else:
-                if st.estimator not in est_cache:
-                    est_cache[st.estimator] = ESTIMATORS[st.estimator](cap, h)
-                mask = select(est_cache[st.estimator], st, Lq, Lkv, cap.causal)
+                est = resolve_estimator(st.estimator, cap.causal)
+                if est not in est_cache:
+                    est_cache[est] = ESTIMATORS[est](cap, h)
+                mask = select(est_cache[est], st, Lq, Lkv, cap.causal)
             ps = score_mask(hp, mask, vis)
             os_ = score_mask(hp, oracle_mask(hp.mass, mask.sum(axis=1), vis), vis)
             results[i].pred.add(ps)
@@ -656,7 +671,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("captures", nargs="+")
     ap.add_argument("--topk", type=float, nargs="*", default=[0.2, 0.5])
-    ap.add_argument("--estimators", nargs="*", default=["mean"])
+    ap.add_argument("--estimators", nargs="*", default=["mean"],
+                    help="names of ESTIMATORS, or auto (the library's default of the mode)")
     ap.add_argument("--sink", type=int, nargs="*", default=[-1], help="-1: default of the mode")
     ap.add_argument("--window", type=int, nargs="*", default=[-1], help="-1: default of the mode")
     ap.add_argument("--heads", type=int, default=0, help="first N heads only (0: all)")

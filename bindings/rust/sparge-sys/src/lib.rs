@@ -55,6 +55,8 @@ pub const SPARGE_ESTIMATOR_MEAN: sparge_estimator_t = 0;
 pub const SPARGE_ESTIMATOR_KEYS_LSE: sparge_estimator_t = 1;
 pub const SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2: sparge_estimator_t = 2;
 pub const SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE: sparge_estimator_t = 3;
+/// The default of the mode: `KEYS_LSE_ADAPTIVE` when not causal, `KEYS_LSE` when causal.
+pub const SPARGE_ESTIMATOR_AUTO: sparge_estimator_t = 4;
 
 // ---------------------------------------------------------------- structs
 /// A borrowed, strided tensor view (strides in elements).
@@ -163,7 +165,7 @@ pub struct sparge_predict_params_t {
     /// Since 0.2: -1 = the default of the mode (causal 2, else 1), 0 = off, w >= 1 = diagonal blocks and
     /// w - 1 more per side.
     pub local_window: i32,
-    /// Since 0.2: `SPARGE_ESTIMATOR_*`.
+    /// Since 0.2: `SPARGE_ESTIMATOR_*`; `SPARGE_ESTIMATOR_AUTO` (the default) = the default of the mode.
     pub estimator: sparge_estimator_t,
 }
 
@@ -183,7 +185,7 @@ impl Default for sparge_predict_params_t {
             sim_threshold_per_head: core::ptr::null(),
             pv_threshold: 0.0,
             local_window: -1,
-            estimator: SPARGE_ESTIMATOR_KEYS_LSE,
+            estimator: SPARGE_ESTIMATOR_AUTO,
         }
     }
 }

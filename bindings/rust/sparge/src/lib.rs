@@ -250,19 +250,23 @@ impl Precision {
 }
 
 /// Block-importance estimator (`sparge_estimator_t`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Estimator {
     /// Mean-pooled Q and K (the original SpargeAttn rule).
     Mean,
-    /// Mean-pooled Q against every key, log-sum-exp per key block (the default).
+    /// Mean-pooled Q against every key, log-sum-exp per key block (the default when causal).
     KeysLse,
     /// `KeysLse` for two groups of similar rows per query block, their block distributions averaged
     /// by group size (about twice the prediction cost of `KeysLse`).
     KeysLseSplit2,
     /// `KeysLseSplit2` on the query blocks whose mean row is short against their rows but not near
     /// zero (0.25 to 0.75 of the rows' mean length: rows that share a direction but spread), `KeysLse`
-    /// on the others: the cost follows the share of split blocks.
+    /// on the others: the cost follows the share of split blocks (the default when not causal).
     KeysLseAdaptive,
+    /// The default: the estimator of the mode, `KeysLseAdaptive` when not causal, `KeysLse` when causal
+    /// (docs/ACCURACY.md, "Estimators").
+    #[default]
+    Auto,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -411,7 +415,8 @@ pub struct PredictParams {
     /// Keep the diagonal key blocks and `w - 1` more on each side, counted in the budget;
     /// Some(0) = off; None = the default of the mode (2 when causal, 1 otherwise).
     pub local_window: Option<i32>,
-    /// Block-importance estimator; the default is `KeysLse`.
+    /// Block-importance estimator; the default is `Auto` (`KeysLseAdaptive` when not causal, `KeysLse`
+    /// when causal).
     pub estimator: Estimator,
     /// Per-query-head overrides (length Hq). Host memory: CPU plans only here;
     /// for device arrays build a raw struct and use the `_raw` calls.
@@ -433,7 +438,7 @@ impl Default for PredictParams {
             smooth_k: d.smooth_k != 0,
             attention_sink: None,
             local_window: None,
-            estimator: Estimator::KeysLse,
+            estimator: Estimator::Auto,
             topk_per_head: None,
             cdf_threshold_per_head: None,
             sim_threshold_per_head: None,
@@ -467,6 +472,7 @@ impl PredictParams {
                 Estimator::KeysLse => sys::SPARGE_ESTIMATOR_KEYS_LSE,
                 Estimator::KeysLseSplit2 => sys::SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2,
                 Estimator::KeysLseAdaptive => sys::SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE,
+                Estimator::Auto => sys::SPARGE_ESTIMATOR_AUTO,
             },
         }
     }

@@ -159,16 +159,18 @@ fn predicted_mask_is_used_and_counted() {
 }
 
 #[test]
-fn the_default_estimator_is_keys_lse() {
+fn the_default_estimator_is_auto() {
     let d = PredictParams::default();
-    assert_eq!(d.estimator, Estimator::KeysLse);
-    assert_eq!(d.to_raw().estimator, sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE);
-    assert_eq!(sparge::sys::sparge_predict_params_t::default().estimator, sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE);
-    // One query block (every row 4 e0, scale 1/2) against eight key blocks: block 1 holds one key 5 e0 and
-    // 63 keys -e0 (per-key log-sum-exp ~10, mean score -1.8), block 2 64 keys e0 (log-sum-exp 6.2, mean
-    // score 2), the others zeros. The default sink keeps block 0, the default non-causal window 1 the
-    // diagonal blocks 6 and 7 (rows aligned to the last keys), top-k 0.5 one more: block 1 for KeysLse,
-    // block 2 for Mean. No parameters and the default ones predict the KeysLse mask.
+    assert_eq!(d.estimator, Estimator::Auto);
+    assert_eq!(Estimator::default(), Estimator::Auto);
+    assert_eq!(d.to_raw().estimator, sparge::sys::SPARGE_ESTIMATOR_AUTO);
+    assert_eq!(sparge::sys::sparge_predict_params_t::default().estimator, sparge::sys::SPARGE_ESTIMATOR_AUTO);
+    // One query block (every row 4 e0, scale 1/2: one direction, so Auto's KeysLseAdaptive keeps it whole)
+    // against eight key blocks: block 1 holds one key 5 e0 and 63 keys -e0 (per-key log-sum-exp ~10, mean
+    // score -1.8), block 2 64 keys e0 (log-sum-exp 6.2, mean score 2), the others zeros. The default sink
+    // keeps block 0, the default non-causal window 1 the diagonal blocks 6 and 7 (rows aligned to the last
+    // keys), top-k 0.5 one more: block 1 for KeysLse, block 2 for Mean. No parameters and the default ones
+    // predict the KeysLse mask.
     let plan = Plan::new(&exact_problem(1, 1, 1, 128, 512, 4, false)).unwrap();
     let q: Vec<f32> = (0..128 * 4).map(|i| if i % 4 == 0 { 4.0 } else { 0.0 }).collect();
     let k: Vec<f32> = (0..512 * 4)
@@ -247,6 +249,37 @@ fn keys_lse_adaptive_splits_only_short_mean_blocks() {
     assert_eq!(predict(&q_long, Estimator::KeysLseAdaptive), vec![1, 1, 0, 1]);
     assert_eq!(PredictParams { estimator: Estimator::KeysLseAdaptive, ..Default::default() }.to_raw().estimator,
                sparge::sys::SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE);
+}
+
+#[test]
+fn auto_is_keys_lse_adaptive_when_not_causal_and_keys_lse_when_causal() {
+    // The query block and keys of keys_lse_split2_keeps_both_groups_blocks (its rows point apart: the
+    // block splits), no local window, top-k 0.75. Not causal: KeysLse keeps block 3, KeysLseAdaptive block 2
+    // (the sink keeps block 0, the ranking two more). Causal (query i sees keys up to i + 128): the first
+    // diagonal block 2 is forced, and the ranking's one more is block 3 for KeysLse, block 1 for
+    // KeysLseAdaptive. Auto, named or the default, predicts the mode's estimator's mask.
+    let (plan, q, k) = two_group_block();
+    let causal_plan = Plan::new(&exact_problem(1, 1, 1, 128, 256, 4, true)).unwrap();
+    for (plan, causal) in [(&plan, false), (&causal_plan, true)] {
+        let predict = |e: Estimator| {
+            let mut m = vec![0u8; 4];
+            let p = PredictParams { estimator: e, topk: 0.75, local_window: Some(0), ..Default::default() };
+            plan.predict_mask(&q, &k, Some(&p), &mut m, None).unwrap();
+            m
+        };
+        let (lse, adaptive) = (predict(Estimator::KeysLse), predict(Estimator::KeysLseAdaptive));
+        if causal {
+            assert_eq!((&lse, &adaptive), (&vec![1, 0, 1, 1], &vec![1, 1, 1, 0]));
+        } else {
+            assert_eq!((&lse, &adaptive), (&vec![1, 1, 0, 1], &vec![1, 1, 1, 0]));
+        }
+        let want = if causal { lse } else { adaptive };
+        assert_eq!(predict(Estimator::Auto), want, "causal {causal}");
+        let mut m = vec![0u8; 4];
+        let p = PredictParams { topk: 0.75, local_window: Some(0), ..Default::default() };
+        plan.predict_mask(&q, &k, Some(&p), &mut m, None).unwrap();
+        assert_eq!(m, want, "default, causal {causal}");
+    }
 }
 
 #[test]
