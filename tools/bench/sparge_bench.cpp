@@ -90,7 +90,8 @@ void usage() {
       "  --heads H         (32)   --batch B (1)   --dtype bf16|fp16 (bf16)\n"
       "  --kv-heads H      K/V heads (default: --heads; GQA when fewer, a divisor of --heads)\n"
       "  --topk T          prediction top-k fraction (0.5)\n"
-      "  --estimator E     keys_lse (default), keys_lse_split2, keys_lse_adaptive or mean\n"
+      "  --estimator E     keys_lse (default), keys_lse_split2, keys_lse_adaptive, mean or auto (the library's\n"
+      "                    default: keys_lse_adaptive when not causal, keys_lse when causal)\n"
       "  --q-split S       Q with 128-row block structure: one cluster per block, two in a share S\n"
       "                    of the blocks (0..1; default: independent normal rows)\n"
       "  --lse             also write the LSE output\n"
@@ -146,8 +147,11 @@ bool parse(int argc, char** argv, Options& o) {
         o.estimator = SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
       } else if (e == "mean") {
         o.estimator = SPARGE_ESTIMATOR_MEAN;
+      } else if (e == "auto") {
+        o.estimator = SPARGE_ESTIMATOR_AUTO;
       } else {
-        std::fprintf(stderr, "--estimator: keys_lse, keys_lse_split2, keys_lse_adaptive or mean, got %s\n", e.c_str());
+        std::fprintf(stderr, "--estimator: keys_lse, keys_lse_split2, keys_lse_adaptive, mean or auto, got %s\n",
+                     e.c_str());
         return false;
       }
     } else if (a == "--lse") {
@@ -308,6 +312,7 @@ int main(int argc, char** argv) {
               o.estimator == SPARGE_ESTIMATOR_KEYS_LSE          ? "keys_lse"
               : o.estimator == SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2   ? "keys_lse_split2"
               : o.estimator == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE ? "keys_lse_adaptive"
+              : o.estimator == SPARGE_ESTIMATOR_AUTO              ? "auto"
                                                                   : "mean");
   if (o.q_split >= 0.f) std::printf("# Q: 128-row blocks of one cluster, two in a share %.2f of them\n\n", o.q_split);
   std::fflush(stdout);
