@@ -363,6 +363,7 @@ static void run_tie_case(const char* name, const Shape& s) {
   for (int est = 0; est < 2; ++est)
     for (float tk : topks) {
       sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+      prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE;  // named: the default (AUTO) is KEYS_LSE_ADAPTIVE when not causal
       if (est == 0) prm = mean_params();
       prm.topk = tk;
       INFO(name << (est ? " keys_lse" : " mean") << " topk " << tk << " [" << s.str() << "]");
@@ -430,6 +431,7 @@ static void run_wide_scores_case(const char* name, const Shape& s) {
     for (float tk : {0.25f, 0.5f, 0.75f})
       for (int sink : {0, 1}) {
         sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+        prm.estimator = SPARGE_ESTIMATOR_KEYS_LSE;  // named: the default (AUTO) is KEYS_LSE_ADAPTIVE when not causal
         if (est == 0) prm = mean_params();
         prm.topk = tk;
         prm.attention_sink = sink;
