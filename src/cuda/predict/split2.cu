@@ -2,9 +2,9 @@
 // step 3; pipeline and costs: docs/PREDICTION.md). Two launches after the preparation's passes
 // (three with KEYS_LSE_ADAPTIVE) and the combination inside the selection:
 //   1. split2_group_kernel: per 128-row query block, the two groups of similar rows and their float32
-//      mean rows and sizes, in float32 with the CPU reference's operations in its order (column sums
-//      in row order, squared distances in column order, no fused multiply-adds), so that groups and
-//      means equal the CPU backend's bit for bit; KEYS_LSE_ADAPTIVE keeps one group (every row, the
+//      mean rows and sizes, in float32 with the CPU reference's operations in its order (every sum a
+//      sum4, below; no fused multiply-adds), so that groups and means equal the CPU backend's bit for
+//      bit; KEYS_LSE_ADAPTIVE keeps one group (every row, the
 //      block's mean row) unless the rows' mean is short but not near 0 (0.25 to 0.75 of their mean
 //      length), decided in float32 as on the CPU; then split2_list_kernel lists the rows to score
 //      per kv head;
@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "core/error.hpp"
+#include "cuda/attention/portable/primitives.cuh"
 #include "cuda/common/device.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
@@ -111,7 +112,6 @@ __device__ __forceinline__ float warp_length(const float* v, int n) {
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 8 : 0) : "memory");
 }
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 template <class T>
 __device__ __forceinline__ float elem(const unsigned short* x) {
@@ -246,11 +246,12 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
       for (int r = lr; r < kGThreads; r += RPI) {
         const bool ok = r < n && cg * 8 < d_in;
         const T* src = ok ? base + a.q.offset(b, h, r0 + r, cg * 8) : any;
-        const uint32_t dst = smem_u32(xs + r * Sm::kPitch + cg * 8);
+        const uint32_t dst = portable::smem_u32(xs + r * Sm::kPitch + cg * 8);
         cp_async8(dst, src, ok);
         cp_async8(dst + 8u, src + 4, ok);
       }
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      portable::cp_async_commit();
+      portable::cp_async_wait<0>();
     } else {
       for (int r = lr; r < kGThreads; r += RPI) {
         const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<false>(base + a.q.offset(b, h, r0 + r, cg * 8))
