@@ -65,6 +65,7 @@ struct Args {
   size_t wsb = 0;
   bool use_lse = true, use_mask = false;
   float topk = 0.5f;
+  int32_t sink = -1, window = -1;  // the prediction's structure (-1: the mode's defaults)
 
   Args(const Shape& s_, size_t wsb_, uint64_t seed) : s(s_), wsb(wsb_) {
     // The padded layout is the largest of the three.
@@ -99,6 +100,7 @@ struct Args {
   sparge_status_t call(sparge_plan_t plan, cudaStream_t st) {
     sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
     prm.topk = topk;
+    prm.attention_sink = sink, prm.local_window = window;
     return sparge_attention_run(plan, &qd, &kd, &vd, use_mask ? &md : nullptr, &prm, &od, use_lse ? &ld : nullptr,
                                 ws.get(), wsb, st);
   }
@@ -190,12 +192,14 @@ TEST_CASE("cache: repeated calls (graph replay) read the current inputs, paramet
       CHECK(r2 != r1);
       CHECK(r2 == a.fresh(prec));
       if (!a.use_mask) {  // the prediction's parameters are not part of the pointer key
-        a.topk = 0.25f;
+        // (at this shape the default sink and local window fill the top-k 0.25 and 0.5 budgets
+        // alike: both off, so that the masks differ)
+        a.topk = 0.25f, a.sink = 0, a.window = 0;
         const std::vector<uint16_t> r3 = a.run(plan);
         CHECK(r3 != r2);
         CHECK(r3 == a.fresh(prec));
         CHECK(r3 == a.run(plan));
-        a.topk = 0.5f;
+        a.topk = 0.5f, a.sink = -1, a.window = -1;
         CHECK(r2 == a.run(plan));
         // top-k 1 on the same pointers: a dense call (a key of its own: no prediction, no lists)
         a.topk = 1.0f;
