@@ -146,13 +146,12 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
   auto row_a = [&](int64_t c) { return x[a * D + c]; };
   const int64_t b = farthest(row_a);
   auto row_b = [&](int64_t c) { return x[b * D + c]; };
-  std::vector<uint8_t> to_b(static_cast<size_t>(n));
-  int64_t cb = 0;
-  for (int64_t i = 0; i < n; ++i) cb += to_b[size_t(i)] = d2(r0 + i, row_b) < d2(r0 + i, row_a);
-  const int64_t ca = n - cb;
-  for (int64_t c = 0; c < D; ++c) {  // the groups' means: each group's sum4 over the block's rows
-    const float ta = sum4(n, [&](int64_t i, float& v) { return v = x[(r0 + i) * D + c], !to_b[size_t(i)]; });
-    const float tb = sum4(n, [&](int64_t i, float& v) { return v = x[(r0 + i) * D + c], to_b[size_t(i)] != 0; });
+  std::vector<int64_t> rows_a, rows_b;  // each group's rows, ascending
+  for (int64_t i = 0; i < n; ++i) (d2(r0 + i, row_b) < d2(r0 + i, row_a) ? rows_b : rows_a).push_back(r0 + i);
+  const int64_t ca = int64_t(rows_a.size()), cb = int64_t(rows_b.size());
+  for (int64_t c = 0; c < D; ++c) {  // the groups' means: each group's sum4 over its own rows
+    const float ta = sum4(ca, [&](int64_t j, float& v) { return v = x[rows_a[size_t(j)] * D + c], true; });
+    const float tb = sum4(cb, [&](int64_t j, float& v) { return v = x[rows_b[size_t(j)] * D + c], true; });
     sa[size_t(c)] = ca ? ta / float(ca) : 0.0f;
     sb[size_t(c)] = cb ? tb / float(cb) : 0.0f;
   }

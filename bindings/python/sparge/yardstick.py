@@ -401,8 +401,8 @@ def _sum4(v: np.ndarray) -> np.ndarray:
 def split2_groups(x: np.ndarray, iters: int, tau: float, lo: float = 0.0):
     """The two groups of est_keys_lse_split2 for the rows x [n, D], as the library forms them
     (src/cpu/predict.cpp, split2_rows; the CUDA grouping kernel alike): in float32, every operation
-    rounded on its own, every sum a _sum4 (the column sums over the rows, the squared distances and
-    lengths over the columns, the rows' lengths), means as sum / n. The rows stay one group unless
+    rounded on its own, every sum a _sum4 (the column sums over the rows — a group's over its own rows —, the
+    squared distances and lengths over the columns, the rows' lengths), means as sum / n. The rows stay one group unless
     lo * l <= |mean| < tau * l (l: the rows' mean length; the bounds rounded to float32 products as the
     library's; tau = inf, lo = 0: always split). With iters > 0 (not in the library) the Lloyd steps run
     in float64. Returns [(size, mean row)] of one group (the block kept whole) or two (a size may be 0);
@@ -432,7 +432,7 @@ def split2_groups(x: np.ndarray, iters: int, tau: float, lo: float = 0.0):
             c = np.stack([x64[lab == g].mean(axis=0) if (lab == g).any() else c[g] for g in range(2)])
         to_b = ((x64[:, None, :] - c[None]) ** 2).sum(axis=2).argmin(axis=1) == 1
     sizes = [int(n - to_b.sum()), int(to_b.sum())]
-    means = [_sum4(np.where(m[:, None], x, f32(0.0))) / f32(size) if size else np.zeros(D, f32)
+    means = [_sum4(x[m]) / f32(size) if size else np.zeros(D, f32)
              for m, size in zip((~to_b, to_b), sizes)]
     return list(zip(sizes, means))
 

@@ -59,8 +59,8 @@ struct GroupSmem {
   static constexpr int kLen = kGm + 2 * DK * 4;        // float [128]: the rows' lengths (adaptive)
   static constexpr int kRedD = kLen + kGThreads * 4;   // float [4]: reductions
   static constexpr int kRedR = kRedD + 16;             // int [4]
-  static constexpr int kLab = kRedR + 16;              // uchar [128]: 1 = group b
-  static constexpr int kBytes = kLab + kGThreads;
+  static constexpr int kList = kRedR + 16;             // int [2][128]: each group's rows (byte offsets), ascending
+  static constexpr int kBytes = kList + 2 * kGThreads * 4;
 };
 
 // Every float32 operation below is rounded on its own (no fused multiply-add), in the CPU
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   float* len = reinterpret_cast<float*>(g_smem + Sm::kLen);
   float* red_d = reinterpret_cast<float*>(g_smem + Sm::kRedD);
   int* red_r = reinterpret_cast<int*>(g_smem + Sm::kRedR);
-  unsigned char* lab = g_smem + Sm::kLab;
+  int* list = reinterpret_cast<int*>(g_smem + Sm::kList);
 
   const int64_t cta = blockIdx.x;
   const int64_t qb = cta % a.nQB, bh = cta / a.nQB;
@@ -291,37 +291,56 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   } else {
     __syncthreads();  // the mean row
   }
-  // seed a: farthest from the mean; seed b: farthest from a (the seeds read in place)
+  // seed a: farthest from the mean; seed b: farthest from a. A seed row is copied to float32 (in gm,
+  // free until the groups' means; exact) so that the distance passes read it 16 bytes at a time.
+  auto seed_row = [&](int r, float* dst) {
+    for (int c = tid; c < d_in; c += kGThreads) dst[c] = elem<T>(xs + r * Sm::kPitch + c);
+    __syncthreads();
+  };
   const int ra = farthest(real ? dist2<T>(mine, mu, d_in) : -1.0f, tid, red_d, red_r);
-  const float da = real ? dist2<T>(mine, xs + ra * Sm::kPitch, d_in) : -1.0f;
+  seed_row(ra, gm);
+  const float da = real ? dist2<T>(mine, gm, d_in) : -1.0f;
   const int rb = farthest(da, tid, red_d, red_r);
+  seed_row(rb, gm + DK);
   // a row joins b when strictly nearer to b than to a (NaN: stays with a)
-  const bool to_b = real && dist2<T>(mine, xs + rb * Sm::kPitch, d_in) < da;
-  lab[tid] = to_b ? 1 : 0;
+  const bool to_b = real && dist2<T>(mine, gm + DK, d_in) < da;
+  // each group's rows in ascending order (list: group a's, then from kGThreads group b's), as byte
+  // offsets into xs: a row's place is the number of its group's rows before it
+  {
+    const int lane = tid & 31, warp = tid >> 5;
+    const uint32_t bal = __ballot_sync(0xffffffffu, to_b);
+    if (lane == 0) red_r[warp] = __popc(bal);
+    __syncthreads();  // (farthest's reads of red_r are before seed_row's barrier)
+    int nb_before = __popc(bal & ((1u << lane) - 1u));
+#pragma unroll
+    for (int w = 0; w < kGThreads / 32; ++w) nb_before += w < warp ? red_r[w] : 0;
+    if (real) list[to_b ? kGThreads + nb_before : tid - nb_before] = tid * Sm::kPitch * 2;
+  }
   const int nb = __syncthreads_count(to_b);
   const int na = n - nb;
-  // the groups' means: the column sums (row order) / the group's size (0 for an empty group)
-  for (int c = tid; c < d_in; c += kGThreads) {
-    // (each group's sum4 over the block's rows, skipping the other group's: row r adds to partial r mod 4)
-    // (adding +0 for a row of the other group: a partial sum is never -0, so this is exact)
-    Sum4 sa, sb;
-    auto row = [&](int k, int r) {
-      const float x = elem<T>(xs + r * Sm::kPitch + c);
-      const bool to_b = lab[r] != 0;
-      sa.add(k, to_b ? 0.0f : x);
-      sb.add(k, to_b ? x : 0.0f);
-    };
-    int r = 0;
+  // the groups' means: each group's sum4 over its own rows (its j-th row adds to partial j mod 4),
+  // over the group's size (0 for an empty group)
+  auto group_sum = [&](const int* rows, int m, int c) {
+    const unsigned char* col = reinterpret_cast<const unsigned char*>(xs + c);
+    auto at = [&](int o) { return elem<T>(reinterpret_cast<const unsigned short*>(col + o)); };
+    Sum4 s;
+    int j = 0;
 #pragma unroll 2
-    for (; r + 3 < n; r += 4) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) row(k, r + k);
+    for (; j + 3 < m; j += 4) {
+      const int4 o = *reinterpret_cast<const int4*>(rows + j);
+      s.add(0, at(o.x));
+      s.add(1, at(o.y));
+      s.add(2, at(o.z));
+      s.add(3, at(o.w));
     }
 #pragma unroll
     for (int k = 0; k < 3; ++k)
-      if (r + k < n) row(k, r + k);
-    gm[c] = na ? __fdiv_rn(sa.total(), float(na)) : 0.0f;
-    gm[DK + c] = nb ? __fdiv_rn(sb.total(), float(nb)) : 0.0f;
+      if (j + k < m) s.add(k, at(rows[j + k]));
+    return s.total();
+  };
+  for (int c = tid; c < d_in; c += kGThreads) {  // (the seed rows in gm are read: barriers above)
+    gm[c] = na ? __fdiv_rn(group_sum(list, na, c), float(na)) : 0.0f;
+    gm[DK + c] = nb ? __fdiv_rn(group_sum(list + kGThreads, nb, c), float(nb)) : 0.0f;
   }
   // the groups' mean rows (zeros past d_in), and their sizes
   for (int c = tid; c < DK; c += kGThreads) {
