@@ -774,6 +774,27 @@ static std::vector<double> split2_ref_scores(const Inputs& in, int64_t h, int64_
   return sc;
 }
 
+// Q of batch 0 drawn, per query block, around two centres (each row picks one): the inputs the grouping
+// estimators exist for.
+static void set_clustered_q(Inputs& in, uint64_t seed) {
+  const Shape& s = in.s;
+  std::mt19937_64 rng(seed ^ 0x2545f491u);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> qv = in.q.val;
+  const int64_t D = s.D;
+  for (int64_t h = 0; h < s.Hq; ++h)
+    for (int64_t qb = 0; qb < s.nQB(); ++qb) {
+      std::vector<float> ctr[2] = {std::vector<float>(size_t(D)), std::vector<float>(size_t(D))};
+      for (auto& v : ctr)
+        for (float& t : v) t = 1.5f * nd(rng);
+      for (int64_t i = qb * 128; i < std::min(s.Lq, qb * 128 + 128); ++i) {
+        const int g = int(rng() & 1);
+        for (int64_t d = 0; d < D; ++d) qv[in.q.lidx(0, h, i, d)] = ctr[g][size_t(d)] + 0.3f * nd(rng);
+      }
+    }
+  in.q.set_values(qv);
+}
+
 // CUDA masks equal the CPU predictor's except where blocks of nearly equal score trade places: the
 // groups and their means are the CPU's bit for bit (the same float32 operations in the same sum4
 // order), so only the float32 block scores (tensor-core accumulation, ex2/lg2.approx) and the
@@ -788,23 +809,7 @@ static void run_split2_cases(const std::vector<PredCase>& cases, bool clusters,
   for (const PredCase& c : cases) {
     const uint64_t seed = case_seed(std::string(c.name) + (clusters ? "-clusters" : ""));
     Inputs in = make_inputs(c.s, c.layout, c.dtype, c.outliers, seed);
-    if (clusters) {
-      std::mt19937_64 rng(seed ^ 0x2545f491u);
-      std::normal_distribution<float> nd(0.0f, 1.0f);
-      std::vector<float> qv = in.q.val;
-      const int64_t D = c.s.D;
-      for (int64_t h = 0; h < c.s.Hq; ++h)
-        for (int64_t qb = 0; qb < c.s.nQB(); ++qb) {
-          std::vector<float> ctr[2] = {std::vector<float>(size_t(D)), std::vector<float>(size_t(D))};
-          for (auto& v : ctr)
-            for (float& t : v) t = 1.5f * nd(rng);
-          for (int64_t i = qb * 128; i < std::min(c.s.Lq, qb * 128 + 128); ++i) {
-            const int g = int(rng() & 1);
-            for (int64_t d = 0; d < D; ++d) qv[in.q.lidx(0, h, i, d)] = ctr[g][size_t(d)] + 0.3f * nd(rng);
-          }
-        }
-      in.q.set_values(qv);
-    }
+    if (clusters) set_clustered_q(in, seed);
     const DeviceInputs din(in);
     Stream stream;
     // top-k 0.1 and 0.3, and CDF 0.9 (the selection combines the groups' scores in both modes)
@@ -1378,4 +1383,149 @@ TEST_CASE("predict, estimator KEYS_LSE: timing at N = 32K", "[.][bench][keys_lse
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+}
+
+// ---------------------------------------------------------------- grouping, bit for bit
+// The grouping of the grouping estimators by the specification (docs/SEMANTICS.md, "Mask prediction",
+// step 3), in float32 with every operation rounded on its own and every sum a sum4 (four partial sums
+// over i = k mod 4, each ascending, added as (p0 + p1) + (p2 + p3)), for query block qb of head h
+// (batch 0): each group's mean row (zeros past D and for an empty group) and size. adaptive: one group
+// (the block's mean row) unless 0.25 l <= |mean| < 0.75 l.
+namespace {
+
+struct SpecGroups {
+  std::vector<float> mean[2];
+  int64_t n[2] = {0, 0};
+};
+
+template <class F>
+float spec_sum4(int64_t m, F&& f) {
+  float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t i = 0; i < m; ++i) {
+    const float v = f(i);  // (a named value: no contraction with the addition)
+    p[i & 3] = p[i & 3] + v;
+  }
+  return (p[0] + p[1]) + (p[2] + p[3]);
+}
+
+SpecGroups spec_groups(const Inputs& in, int64_t h, int64_t qb, int64_t Dk, bool adaptive) {
+  const Shape& s = in.s;
+  const int64_t D = s.D, r0 = qb * 128, n = std::min(s.Lq, r0 + 128) - r0;
+  auto x = [&](int64_t i, int64_t c) { return in.q.val[in.q.lidx(0, h, r0 + i, c)]; };
+  std::vector<float> mu(static_cast<size_t>(D));
+  for (int64_t c = 0; c < D; ++c) mu[size_t(c)] = spec_sum4(n, [&](int64_t i) { return x(i, c); }) / float(n);
+  auto d2 = [&](int64_t i, auto&& ref) {
+    return spec_sum4(D, [&](int64_t c) {
+      const float t = x(i, c) - ref(c);
+      const float t2 = t * t;
+      return t2;
+    });
+  };
+  SpecGroups g;
+  g.mean[0].assign(size_t(Dk), 0.0f), g.mean[1].assign(size_t(Dk), 0.0f);
+  auto one_group = [&] {
+    std::copy(mu.begin(), mu.end(), g.mean[0].begin());
+    g.n[0] = n;
+    return g;
+  };
+  if (adaptive) {
+    const float ell = spec_sum4(n, [&](int64_t i) { return std::sqrt(d2(i, [](int64_t) { return 0.0f; })); }) / float(n);
+    const float m = std::sqrt(spec_sum4(D, [&](int64_t c) {
+      const float t2 = mu[size_t(c)] * mu[size_t(c)];
+      return t2;
+    }));
+    if (!(m < 0.75f * ell && m >= 0.25f * ell)) return one_group();
+  }
+  auto farthest = [&](auto&& ref) {  // the lowest row of the largest distance; NaN never wins
+    int64_t best = 0;
+    float bd = -1.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = d2(i, ref);
+      if (d > bd) bd = d, best = i;
+    }
+    return best;
+  };
+  const int64_t a = farthest([&](int64_t c) { return mu[size_t(c)]; });
+  const int64_t b = farthest([&](int64_t c) { return x(a, c); });
+  std::vector<int64_t> rows[2];
+  for (int64_t i = 0; i < n; ++i)
+    rows[d2(i, [&](int64_t c) { return x(b, c); }) < d2(i, [&](int64_t c) { return x(a, c); }) ? 1 : 0].push_back(i);
+  for (int k = 0; k < 2; ++k) {
+    g.n[k] = int64_t(rows[k].size());
+    if (g.n[k] == 0) continue;
+    for (int64_t c = 0; c < D; ++c)
+      g.mean[k][size_t(c)] = spec_sum4(g.n[k], [&](int64_t j) { return x(rows[k][size_t(j)], c); }) / float(g.n[k]);
+  }
+  return g;
+}
+
+}  // namespace
+
+// The CUDA grouping kernel's groups (workspace regions split_q, split_n) against the definition, bit
+// for bit: full blocks with Dk = D (the kernel's unrolled path), tail blocks, D below Dk, each dtype;
+// clustered rows (most blocks split) and independent ones (adaptive: no block splits).
+TEST_CASE("predict, grouping estimators: CUDA groups and their means equal the float32 definition bit for bit",
+          "[gpu][predict][split2][sanitize]") {
+  const std::vector<PredCase> cases = {
+      {"gm-d128-tail", shp(1, 3, 1, 1000, 600, 128, false), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false},
+      {"gm-d64-causal", shp(1, 2, 2, 512, 512, 64, true), Layout::HND, SPARGE_DTYPE_FLOAT16, false},
+      {"gm-d96", shp(1, 2, 1, 700, 500, 96, false), Layout::HND_PAD, SPARGE_DTYPE_FLOAT16, false},
+      {"gm-d256", shp(1, 1, 1, 300, 300, 256, false), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false},
+  };
+  for (const PredCase& c : cases)
+    for (bool clusters : {true, false})
+      for (sparge_estimator_t est : {SPARGE_ESTIMATOR_KEYS_LSE_SPLIT2, SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE}) {
+        const Shape& s = c.s;
+        const bool adaptive = est == SPARGE_ESTIMATOR_KEYS_LSE_ADAPTIVE;
+        const uint64_t seed = case_seed(std::string(c.name) + (clusters ? "-clusters" : ""));
+        INFO(c.name << (clusters ? " clusters" : " independent") << (adaptive ? " adaptive" : " split2") << " ["
+                    << s.str() << "] " << dtype_name(c.dtype) << " seed " << seed);
+        Inputs in = make_inputs(s, c.layout, c.dtype, c.outliers, seed);
+        if (clusters) set_clustered_q(in, seed);
+        const DeviceInputs din(in);
+        Stream stream;
+        const sparge_precision_t prec = s.D > 128 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_INT8_FP8;
+        PlanGuard plan;
+        const sparge_problem_t pr = api_problem(s, c.dtype, prec);
+        REQUIRE(sparge_create_plan(&pr, &plan.p) == SPARGE_OK);
+        size_t wsb = 0;
+        REQUIRE(sparge_plan_workspace_size(plan.p, &wsb) == SPARGE_OK);
+        const sparge::WorkspaceLayout L = sparge::plan_workspace(layout_problem(s, c.dtype, prec));
+        REQUIRE(L.total == wsb);
+        REQUIRE(L.split_q != 0);
+        REQUIRE(L.split_n != 0);
+        DeviceBuffer ws(wsb);
+        ws.fill(0xA5);
+        const int64_t nQB = s.nQB(), nKB = s.nKB(), Dk = sparge::gpu_kernel_head_dim(s.D);
+        DeviceBuffer dmask(size_t(s.B * s.Hq * nQB * nKB));
+        const int64_t msh[4] = {s.B, s.Hq, nQB, nKB}, mst[4] = {s.Hq * nQB * nKB, nQB * nKB, nKB, 1};
+        const sparge_tensor_t md = make_desc(dmask.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_UINT8, 4, msh, mst);
+        const sparge_tensor_t qd = desc4(in.q, din.q.get(), SPARGE_DEVICE_CUDA);
+        const sparge_tensor_t kd = desc4(in.k, din.k.get(), SPARGE_DEVICE_CUDA);
+        sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
+        prm.topk = 0.3f;
+        prm.estimator = est;
+        REQUIRE(sparge_predict_mask(plan.p, &qd, &kd, &prm, &md, nullptr, ws.get(), wsb, stream.get()) == SPARGE_OK);
+        stream.sync();
+        SGT_CUDA(cudaGetLastError());
+        std::vector<float> rows(size_t(s.B * s.Hq * nQB * 2 * Dk)), cnt(size_t(s.B * s.Hq * nQB * 2));
+        SGT_CUDA(cudaMemcpy(rows.data(), ws.as<char>() + L.split_q, rows.size() * 4, cudaMemcpyDeviceToHost));
+        SGT_CUDA(cudaMemcpy(cnt.data(), ws.as<char>() + L.split_n, cnt.size() * 4, cudaMemcpyDeviceToHost));
+        int64_t bad_n = 0, bad_mean = 0, split = 0;
+        for (int64_t h = 0; h < s.Hq; ++h)
+          for (int64_t qb = 0; qb < nQB; ++qb) {
+            const SpecGroups g = spec_groups(in, h, qb, Dk, adaptive);
+            const size_t at = size_t(h * nQB + qb);
+            bad_n += cnt[2 * at] != float(g.n[0]) || cnt[2 * at + 1] != float(g.n[1]);
+            split += g.n[1] > 0;
+            for (int k = 0; k < 2; ++k)
+              bad_mean += std::memcmp(&rows[(2 * at + size_t(k)) * size_t(Dk)], g.mean[k].data(), size_t(Dk) * 4) != 0;
+          }
+        CHECK(bad_n == 0);
+        CHECK(bad_mean == 0);
+        // the inputs reach both paths: clustered rows split (almost) every block, independent ones
+        // none under the adaptive rule
+        if (clusters) CHECK(split * 2 > s.Hq * nQB);
+        if (!clusters && adaptive) CHECK(split == 0);
+      }
 }

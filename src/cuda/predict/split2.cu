@@ -73,12 +73,13 @@ struct Sum4 {
   __device__ __forceinline__ float total() const { return __fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3])); }
 };
 
-// sum4 of f(i), i < n.
-template <class F>
+// sum4 of f(i), i < n (U: the unroll count of the loop over groups of four; a count above n / 4
+// with n a constant unrolls it fully).
+template <int U = 2, class F>
 __device__ __forceinline__ float sum4(int n, F&& f) {
   Sum4 s;
   int i = 0;
-#pragma unroll 2
+#pragma unroll U
   for (; i + 3 < n; i += 4) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) s.add(k, f(i + k));
@@ -140,7 +141,7 @@ __device__ __forceinline__ float4 elem4(const unsigned short* x) {
 // Squared Euclidean distance of a row to a reference: the sum4 over the columns of (x_c - r_c)^2.
 // ref(c) gives r_c .. r_{c+3} (c a multiple of 4) as a float4, ref1(c) one value.
 // SUB false: the reference is zero and the subtraction is skipped (x - 0 is x, bit for bit).
-template <class T, bool SUB = true, class Ref4, class Ref1>
+template <class T, bool SUB = true, int U = 2, class Ref4, class Ref1>
 __device__ __forceinline__ float dist2_to(const unsigned short* row, int d_in, Ref4&& ref, Ref1&& ref1) {
   Sum4 s;
   auto term = [&](int k, float x, float m) {
@@ -148,7 +149,7 @@ __device__ __forceinline__ float dist2_to(const unsigned short* row, int d_in, R
     s.add(k, __fmul_rn(t, t));
   };
   int c = 0;
-#pragma unroll 2
+#pragma unroll U
   for (; c + 3 < d_in; c += 4) {
     const float4 x = elem4<T>(row + c), m = ref(c);
     term(0, x.x, m.x);
@@ -162,20 +163,16 @@ __device__ __forceinline__ float dist2_to(const unsigned short* row, int d_in, R
   return s.total();
 }
 
-// ... to a float32 row (16-byte aligned), to another row of the block, and to zero (the squared
-// length; x - 0 is x).
-template <class T>
+// ... to a float32 row (16-byte aligned), and to zero (the squared length; x - 0 is x).
+template <class T, int U>
 __device__ __forceinline__ float dist2(const unsigned short* row, const float* ref, int d_in) {
-  return dist2_to<T>(row, d_in, [&](int c) { return *reinterpret_cast<const float4*>(ref + c); },
-                     [&](int c) { return ref[c]; });
+  return dist2_to<T, true, U>(row, d_in, [&](int c) { return *reinterpret_cast<const float4*>(ref + c); },
+                              [&](int c) { return ref[c]; });
 }
-template <class T>
-__device__ __forceinline__ float dist2(const unsigned short* row, const unsigned short* ref, int d_in) {
-  return dist2_to<T>(row, d_in, [&](int c) { return elem4<T>(ref + c); }, [&](int c) { return elem<T>(ref + c); });
-}
-template <class T>
+template <class T, int U>
 __device__ __forceinline__ float norm2(const unsigned short* row, int d_in) {
-  return dist2_to<T, false>(row, d_in, [](int) { return make_float4(0.f, 0.f, 0.f, 0.f); }, [](int) { return 0.f; });
+  return dist2_to<T, false, U>(row, d_in, [](int) { return make_float4(0.f, 0.f, 0.f, 0.f); },
+                               [](int) { return 0.f; });
 }
 
 // The farthest row: the largest distance, the lowest row on equal distances; NaN distances (and
@@ -207,64 +204,28 @@ __device__ __forceinline__ int farthest(float d, int r, float* red_d, int* red_r
   return br;
 }
 
-// CTA: one per (b, h, query block); thread r owns row r of the block in the distance passes and
-// column c (c = tid, tid + 128) in the column sums. The block's rows sit in shared memory as the
-// input's 16-bit values.
-template <int DK, class T, bool VEC>
-__global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs a) {
-  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+// The grouping of a block whose rows are in xs (every thread of the CTA; n_rows rows, d_cols
+// columns): thread r owns row r in the distance passes and column c (c = tid, tid + 128) in the
+// column sums. FULL: n_rows = 128 and d_cols = Dk (the loops then have constant trip counts and are
+// unrolled fully; a block at the end of the sequence or a head dim below Dk takes FULL = false).
+template <int DK, class T, bool FULL>
+__device__ __forceinline__ void group_rows(const GroupArgs& a, unsigned char* g_smem, int n_rows, int d_cols,
+                                           float* out, float* cnt) {
   using Sm = GroupSmem<DK>;
-  extern __shared__ __align__(16) unsigned char g_smem[];
-  unsigned short* xs = reinterpret_cast<unsigned short*>(g_smem);  // [128][kPitch]
+  constexpr int U = FULL ? 64 : 2;  // unroll counts of the sum4 loops
+  const unsigned short* xs = reinterpret_cast<const unsigned short*>(g_smem);  // [128][kPitch]
   float* mu = reinterpret_cast<float*>(g_smem + Sm::kMu);
   float* gm = reinterpret_cast<float*>(g_smem + Sm::kGm);
   float* len = reinterpret_cast<float*>(g_smem + Sm::kLen);
   float* red_d = reinterpret_cast<float*>(g_smem + Sm::kRedD);
   int* red_r = reinterpret_cast<int*>(g_smem + Sm::kRedR);
   int* list = reinterpret_cast<int*>(g_smem + Sm::kList);
-
-  const int64_t cta = blockIdx.x;
-  const int64_t qb = cta % a.nQB, bh = cta / a.nQB;
-  const uint32_t b = uint32_t(bh / a.Hq), h = uint32_t(bh % a.Hq);
-  const int64_t r0 = qb * kGThreads;
-  const int n = int(min(a.Lq - r0, int64_t(kGThreads)));
-  const int d_in = a.d_in;
+  const int n = FULL ? kGThreads : n_rows;
+  const int d_in = FULL ? DK : d_cols;
   const int tid = threadIdx.x;
-  float* out = a.rows + (bh * a.nQB + qb) * 2 * DK;
-  float* cnt = a.count + (bh * a.nQB + qb) * 2;
-
-  // the block's rows (zeros past n and past d_in). VEC: every copy of the thread in flight at once
-  // (cp.async, two 8-byte halves per 16-byte chunk: the rows are 8-byte aligned), so that a CTA
-  // waits for one memory round trip instead of one per batch of loads.
-  {
-    constexpr int TPR = DK / 8, RPI = kGThreads / TPR;
-    const int lr = tid / TPR, cg = tid % TPR;
-    const T* base = static_cast<const T*>(a.q.data);
-    if constexpr (VEC) {
-      const T* any = base + a.q.offset(b, h, r0, 0);  // a readable address for the zero fills
-#pragma unroll
-      for (int r = lr; r < kGThreads; r += RPI) {
-        const bool ok = r < n && cg * 8 < d_in;
-        const T* src = ok ? base + a.q.offset(b, h, r0 + r, cg * 8) : any;
-        const uint32_t dst = portable::smem_u32(xs + r * Sm::kPitch + cg * 8);
-        cp_async8(dst, src, ok);
-        cp_async8(dst + 8u, src + 4, ok);
-      }
-      portable::cp_async_commit();
-      portable::cp_async_wait<0>();
-    } else {
-      for (int r = lr; r < kGThreads; r += RPI) {
-        const uint4 v = (r < n && cg * 8 < d_in) ? load8_raw<false>(base + a.q.offset(b, h, r0 + r, cg * 8))
-                                                 : make_uint4(0, 0, 0, 0);
-        uint2* dst = reinterpret_cast<uint2*>(xs + r * Sm::kPitch + cg * 8);  // (rows are 8-byte aligned)
-        dst[0] = make_uint2(v.x, v.y), dst[1] = make_uint2(v.z, v.w);
-      }
-    }
-  }
-  __syncthreads();
   // the mean row (column sums in row order, then / n)
   for (int c = tid; c < d_in; c += kGThreads) {
-    mu[c] = __fdiv_rn(sum4(n, [&](int r) { return elem<T>(xs + r * Sm::kPitch + c); }), float(n));
+    mu[c] = __fdiv_rn(sum4<U>(n, [&](int r) { return elem<T>(xs + r * Sm::kPitch + c); }), float(n));
   }
   const unsigned short* mine = xs + tid * Sm::kPitch;
   const bool real = tid < n;
@@ -275,7 +236,7 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
   if (a.adaptive) {
     // l, the rows' mean length (the sum4 of the lengths in row order, / n); one group unless
     // 0.25 l <= |mean| < 0.75 l (decided by warp 0)
-    len[tid] = real ? __fsqrt_rn(norm2<T>(mine, d_in)) : 0.0f;
+    len[tid] = real ? __fsqrt_rn(norm2<T, U>(mine, d_in)) : 0.0f;
     __syncthreads();  // the lengths and the mean row
     float* lm = red_d;  // l (warp 0) and |mean| (warp 1), side by side
     if (tid < 32) {
@@ -297,13 +258,13 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     for (int c = tid; c < d_in; c += kGThreads) dst[c] = elem<T>(xs + r * Sm::kPitch + c);
     __syncthreads();
   };
-  const int ra = farthest(real ? dist2<T>(mine, mu, d_in) : -1.0f, tid, red_d, red_r);
+  const int ra = farthest(real ? dist2<T, U>(mine, mu, d_in) : -1.0f, tid, red_d, red_r);
   seed_row(ra, gm);
-  const float da = real ? dist2<T>(mine, gm, d_in) : -1.0f;
+  const float da = real ? dist2<T, U>(mine, gm, d_in) : -1.0f;
   const int rb = farthest(da, tid, red_d, red_r);
   seed_row(rb, gm + DK);
   // a row joins b when strictly nearer to b than to a (NaN: stays with a)
-  const bool to_b = real && dist2<T>(mine, gm + DK, d_in) < da;
+  const bool to_b = real && dist2<T, U>(mine, gm + DK, d_in) < da;
   // each group's rows in ascending order (list: group a's, then from kGThreads group b's), as byte
   // offsets into xs: a row's place is the number of its group's rows before it
   {
@@ -348,6 +309,64 @@ __global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs
     out[DK + c] = c < d_in ? gm[DK + c] : 0.0f;
   }
   if (tid == 0) cnt[0] = float(na), cnt[1] = float(nb);
+}
+
+// CTA: one per (b, h, query block). The block's rows sit in shared memory as the input's 16-bit
+// values.
+template <int DK, class T, bool VEC>
+__global__ void __launch_bounds__(kGThreads) split2_group_kernel(const GroupArgs a) {
+  pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
+  using Sm = GroupSmem<DK>;
+  extern __shared__ __align__(16) unsigned char g_smem[];
+  unsigned short* xs = reinterpret_cast<unsigned short*>(g_smem);  // [128][kPitch]
+
+  const int64_t cta = blockIdx.x;
+  const int64_t qb = cta % a.nQB, bh = cta / a.nQB;
+  const uint32_t b = uint32_t(bh / a.Hq), h = uint32_t(bh % a.Hq);
+  const int64_t r0 = qb * kGThreads;
+  const int n = int(min(a.Lq - r0, int64_t(kGThreads)));
+  const int d_in = a.d_in;
+  const int tid = threadIdx.x;
+
+  // the block's rows (zeros past n and past d_in); thread (lr, cg) copies 16-byte column chunk cg of
+  // rows lr, lr + RPI, ... . VEC: every copy of the thread in flight at once (cp.async, two 8-byte
+  // halves per chunk: the rows are 8-byte aligned), so that a CTA waits for one memory round trip
+  // instead of one per batch of loads.
+  {
+    constexpr int TPR = DK / 8, RPI = kGThreads / TPR;
+    const int lr = tid / TPR, cg = tid % TPR;
+    const T* base = static_cast<const T*>(a.q.data);
+    const bool col_ok = cg * 8 < d_in;
+    const T* src = base + a.q.offset(b, h, r0 + lr, col_ok ? cg * 8 : 0);  // row lr, then + step per copy
+    const int64_t step = int64_t(RPI) * a.q.stride[2];
+    if constexpr (VEC) {
+      const T* any = base + a.q.offset(b, h, r0, 0);  // a readable address for the zero fills
+#pragma unroll
+      for (int i = 0; i < kGThreads / RPI; ++i, src += step) {
+        const int r = lr + i * RPI;
+        const bool ok = r < n && col_ok;
+        const T* s = ok ? src : any;
+        const uint32_t dst = portable::smem_u32(xs + r * Sm::kPitch + cg * 8);
+        cp_async8(dst, s, ok);
+        cp_async8(dst + 8u, s + 4, ok);
+      }
+      portable::cp_async_commit();
+      portable::cp_async_wait<0>();
+    } else {
+      for (int r = lr; r < kGThreads; r += RPI, src += step) {
+        const uint4 v = (r < n && col_ok) ? load8_raw<false>(src) : make_uint4(0, 0, 0, 0);
+        uint2* dst = reinterpret_cast<uint2*>(xs + r * Sm::kPitch + cg * 8);  // (rows are 8-byte aligned)
+        dst[0] = make_uint2(v.x, v.y), dst[1] = make_uint2(v.z, v.w);
+      }
+    }
+  }
+  __syncthreads();
+  float* out = a.rows + (bh * a.nQB + qb) * 2 * DK;
+  float* cnt = a.count + (bh * a.nQB + qb) * 2;
+  if (n == kGThreads && d_in == DK)
+    group_rows<DK, T, true>(a, g_smem, n, d_in, out, cnt);
+  else
+    group_rows<DK, T, false>(a, g_smem, n, d_in, out, cnt);
 }
 
 // KEYS_LSE_ADAPTIVE: per kv head (a CTA each), the pooled rows to score in the key-score kernels'
