@@ -87,14 +87,11 @@ double keys_lse_row(const float* q, int64_t D, sparge_dtype_t dt, double* out) {
 
 // The float32 sum of f(i), i = 0 .. n-1, as KEYS_LSE_SPLIT2's grouping forms it (docs/SEMANTICS.md,
 // "Mask prediction", step 3): four partial sums over i = k (mod 4), each in ascending i, added as
-// (p0 + p1) + (p2 + p3); f(i) returning false adds nothing.
+// (p0 + p1) + (p2 + p3).
 template <class F>
 float sum4(int64_t n, F&& f) {
   float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int64_t i = 0; i < n; ++i) {
-    float v;
-    if (f(i, v)) p[i & 3] += v;
-  }
+  for (int64_t i = 0; i < n; ++i) p[i & 3] += f(i);
   return (p[0] + p[1]) + (p[2] + p[3]);
 }
 
@@ -111,12 +108,12 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
   const int64_t n = r1 - r0;
   std::vector<float> mu(static_cast<size_t>(D)), sa(static_cast<size_t>(D)), sb(static_cast<size_t>(D));
   for (int64_t c = 0; c < D; ++c)
-    mu[size_t(c)] = sum4(n, [&](int64_t i, float& v) { return v = x[(r0 + i) * D + c], true; }) / float(n);
+    mu[size_t(c)] = sum4(n, [&](int64_t i) { return x[(r0 + i) * D + c]; }) / float(n);
   // squared distance of row r to ref: the sum4 of (x_c - ref_c)^2 over the columns
   auto d2 = [&](int64_t r, auto&& ref) {
-    return sum4(D, [&](int64_t c, float& v) {
+    return sum4(D, [&](int64_t c) {
       const float t = x[r * D + c] - ref(c);
-      return v = t * t, true;
+      return t * t;
     });
   };
   auto farthest = [&](auto&& ref) {
@@ -130,14 +127,14 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
   };
   // a vector's length: the square root of the sum4 of its squares
   auto length = [&](const std::vector<float>& u) {
-    return std::sqrt(sum4(D, [&](int64_t c, float& v) { return v = u[size_t(c)] * u[size_t(c)], true; }));
+    return std::sqrt(sum4(D, [&](int64_t c) { return u[size_t(c)] * u[size_t(c)]; }));
   };
   auto one_group = [&] {
     for (int64_t c = 0; c < D; ++c) mean_a[c] = mu[size_t(c)], mean_b[c] = 0.0f;
     *na = n, *nb = 0;
   };
   if (adaptive) {
-    auto row_length = [&](int64_t i, float& v) { return v = std::sqrt(d2(r0 + i, [](int64_t) { return 0.0f; })), true; };
+    auto row_length = [&](int64_t i) { return std::sqrt(d2(r0 + i, [](int64_t) { return 0.0f; })); };
     const float ell = sum4(n, row_length) / float(n);
     const float m = length(mu);
     if (!(m < 0.75f * ell && m >= 0.25f * ell)) return one_group();
@@ -150,8 +147,8 @@ void split2_rows(const float* x, int64_t D, int64_t r0, int64_t r1, bool adaptiv
   for (int64_t i = 0; i < n; ++i) (d2(r0 + i, row_b) < d2(r0 + i, row_a) ? rows_b : rows_a).push_back(r0 + i);
   const int64_t ca = int64_t(rows_a.size()), cb = int64_t(rows_b.size());
   for (int64_t c = 0; c < D; ++c) {  // the groups' means: each group's sum4 over its own rows
-    const float ta = sum4(ca, [&](int64_t j, float& v) { return v = x[rows_a[size_t(j)] * D + c], true; });
-    const float tb = sum4(cb, [&](int64_t j, float& v) { return v = x[rows_b[size_t(j)] * D + c], true; });
+    const float ta = sum4(ca, [&](int64_t j) { return x[rows_a[size_t(j)] * D + c]; });
+    const float tb = sum4(cb, [&](int64_t j) { return x[rows_b[size_t(j)] * D + c]; });
     sa[size_t(c)] = ca ? ta / float(ca) : 0.0f;
     sb[size_t(c)] = cb ? tb / float(cb) : 0.0f;
   }

@@ -1402,7 +1402,7 @@ template <class F>
 float spec_sum4(int64_t m, F&& f) {
   float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int64_t i = 0; i < m; ++i) {
-    const float v = f(i);  // (a named value: no contraction with the addition)
+    const float v = f(i);  // (no contraction with the addition: -ffp-contract=off, tests/CMakeLists.txt)
     p[i & 3] = p[i & 3] + v;
   }
   return (p[0] + p[1]) + (p[2] + p[3]);
