@@ -94,10 +94,10 @@ typedef enum sparge_precision {
   SPARGE_PRECISION_INT8_FP16 = 4,
   /* The plan picks INT8_FP8 or FP16 from the problem and the device
    * (docs/SEMANTICS.md, "Precision AUTO"): INT8_FP8 on compute capability 9.0
-   * for head_dim <= 128 once the problem is long enough for the int8 path's
+   * for head_dim 65..128 once the problem is long enough for the int8 path's
    * preparation passes to pay off (an effective length
-   * 3 Lq Lkv / (Lq + 2 Lkv) of at least 16384 keys at head_dim 65..128,
-   * 32768 at head_dim <= 64); FP16 everywhere else. CPU plans apply the
+   * 3 Lq Lkv / (Lq + 2 Lkv) of at least 16384 keys); FP16 everywhere else
+   * (head_dim <= 64 at every length). CPU plans apply the
    * compute capability 9.0 rule. sparge_plan_get_problem reports the choice.
    * The SPARGE_PROBLEM_INIT default. */
   SPARGE_PRECISION_AUTO = 5

@@ -56,14 +56,17 @@ struct Problem {
 // path pays preparation passes over Q (Lq rows) and over K and V (2 Lkv rows)
 // against a faster main loop over Lq x Lkv: its gain grows with
 // Lq Lkv / (Lq + 2 Lkv), which times 3 is N when Lq == Lkv == N. The
-// thresholds are the crossovers measured on the H200 (docs/BENCHMARKS.md):
-// below them FP16 is faster, dense and predicted, and more accurate.
+// threshold is the crossover measured on the H200 at D = 128
+// (docs/BENCHMARKS.md): below it FP16 is faster, dense and predicted, and
+// more accurate. At D <= 64 FP16 is as fast or faster at every length (the
+// 8-bit main loop's exponentials outweigh its products there; dense calls run
+// the three-consumer FP16 kernel): FP16 always.
 // `int8_family`: the device runs the sm_90a int8 kernels (CPU plans: true).
-inline int64_t auto_precision_threshold(int64_t head_dim) { return head_dim <= 64 ? 32768 : 16384; }
+constexpr double kAutoInt8Length = 16384;  // the effective length from which INT8_FP8 is chosen
 inline sparge_precision_t auto_precision(int64_t Lq, int64_t Lkv, int64_t head_dim, bool int8_family) {
-  if (!int8_family || head_dim > 128) return SPARGE_PRECISION_FP16;
+  if (!int8_family || head_dim > 128 || head_dim <= 64) return SPARGE_PRECISION_FP16;
   const double n_eff = 3.0 * double(Lq) * double(Lkv) / (double(Lq) + 2.0 * double(Lkv));
-  return n_eff >= double(auto_precision_threshold(head_dim)) ? SPARGE_PRECISION_INT8_FP8 : SPARGE_PRECISION_FP16;
+  return n_eff >= kAutoInt8Length ? SPARGE_PRECISION_INT8_FP8 : SPARGE_PRECISION_FP16;
 }
 
 // A validated 4-D view [B, H, L, D] (strides in elements, stride[3] == 1).
@@ -160,9 +163,9 @@ SPARGE_HD int64_t persistent_units(int64_t rows, int64_t nQB, int causal) {
 }
 // visible_key_blocks for 128-row query blocks and 64-key blocks, in 32-bit arithmetic
 // (Lq, Lkv < 2^30).
-SPARGE_HD int32_t dense_blocks(int32_t qb, int causal, int32_t Lq, int32_t Lkv, int32_t nKB) {
+SPARGE_HD int32_t dense_blocks(int32_t qb, int causal, int32_t Lq, int32_t Lkv, int32_t nKB, int32_t rows = 128) {
   if (!causal) return nKB;
-  const int32_t row_end = qb * 128 + 127, last_row = row_end < Lq - 1 ? row_end : Lq - 1;
+  const int32_t row_end = qb * rows + rows - 1, last_row = row_end < Lq - 1 ? row_end : Lq - 1;
   const int32_t key = last_row + (Lkv - Lq), last_key = key < Lkv - 1 ? key : Lkv - 1;
   return last_key < 0 ? 0 : last_key / 64 + 1;
 }

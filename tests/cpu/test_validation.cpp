@@ -639,8 +639,8 @@ TEST_CASE("precision AUTO: the default, resolved at plan creation by the effecti
     CHECK(init.precision == SPARGE_PRECISION_AUTO);
   }
   // CPU plans follow the compute capability 9.0 rule: INT8_FP8 for
-  // head_dim <= 128 once 3 Lq Lkv / (Lq + 2 Lkv) reaches 16384 (65..128) or
-  // 32768 (<= 64); FP16 otherwise.
+  // 64 < head_dim <= 128 once 3 Lq Lkv / (Lq + 2 Lkv) reaches 16384; FP16
+  // otherwise (at head_dim <= 64 at every length).
   const struct {
     int64_t Lq, Lkv, D;
     sparge_precision_t want;
@@ -648,9 +648,10 @@ TEST_CASE("precision AUTO: the default, resolved at plan creation by the effecti
       {1024, 1024, 128, SPARGE_PRECISION_FP16},        {8192, 8192, 128, SPARGE_PRECISION_FP16},
       {16383, 16383, 128, SPARGE_PRECISION_FP16},      {16384, 16384, 128, SPARGE_PRECISION_INT8_FP8},
       {16384, 16384, 96, SPARGE_PRECISION_INT8_FP8},   {16384, 16384, 64, SPARGE_PRECISION_FP16},
-      {32768, 32768, 64, SPARGE_PRECISION_INT8_FP8},   {65536, 65536, 256, SPARGE_PRECISION_FP16},
+      {32768, 32768, 64, SPARGE_PRECISION_FP16},       {65536, 65536, 256, SPARGE_PRECISION_FP16},
+      {131072, 131072, 64, SPARGE_PRECISION_FP16},
       {32768, 16384, 128, SPARGE_PRECISION_INT8_FP8},  // 3 Lq Lkv / (Lq + 2 Lkv) = 24576
-      {32768, 16384, 64, SPARGE_PRECISION_FP16},       // 24576 < 32768
+      {32768, 16384, 64, SPARGE_PRECISION_FP16},       // head_dim <= 64
       {16384, 32768, 128, SPARGE_PRECISION_INT8_FP8},  // 19661
       {1, 1 << 20, 128, SPARGE_PRECISION_FP16},        // one query row: 1.5
       {1 << 20, 64, 128, SPARGE_PRECISION_FP16},       // 192

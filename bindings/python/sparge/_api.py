@@ -319,9 +319,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
             zero, 0.25 <= |mean| / the rows' mean length < 0.75: rows that share a direction but spread;
             keys_lse on the others, so the cost follows the share of split blocks)
             or "mean" (mean-pooled Q and K, the original SpargeAttn rule).
-        precision: ``"auto"`` (default: ``"int8_fp8"`` on compute capability 9.0 when head_dim <= 128
+        precision: ``"auto"`` (default: ``"int8_fp8"`` on compute capability 9.0 when 64 < head_dim <= 128
             and the sequence is long enough for its preparation passes to pay off, an effective length
-            3 Lq Lkv / (Lq + 2 Lkv) >= 16384 (>= 32768 at head_dim <= 64); ``"fp16"`` otherwise;
+            3 Lq Lkv / (Lq + 2 Lkv) >= 16384; ``"fp16"`` otherwise;
             CPU plans follow the compute capability 9.0 rule),
             ``"int8_fp8"`` (on CPU the exact quantization twin, slow),
             ``"int8_fp8_split_v"`` (int8_fp8 with V carried as two e4m3 terms, hi + lo: V's

@@ -205,8 +205,8 @@ impl Device {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Precision {
     /// The plan picks `Int8Fp8` or `Fp16` (the default): `Int8Fp8` on compute capability 9.0 for
-    /// head_dim <= 128 when the effective length 3 Lq Lkv / (Lq + 2 Lkv) reaches 16384 (32768 at
-    /// head_dim <= 64), `Fp16` otherwise; CPU plans follow the compute capability 9.0 rule.
+    /// 64 < head_dim <= 128 when the effective length 3 Lq Lkv / (Lq + 2 Lkv) reaches 16384, `Fp16`
+    /// otherwise; CPU plans follow the compute capability 9.0 rule.
     /// `Plan::problem` reports the choice.
     Auto,
     /// Q, K int8; P, V fp8 e4m3; fp32 accumulation (the fastest at long sequences on sm_90).

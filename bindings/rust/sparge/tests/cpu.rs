@@ -511,7 +511,7 @@ fn auto_precision_is_the_default_and_resolves_by_length() {
         (1024, 128, Precision::Fp16),
         (16384, 128, Precision::Int8Fp8),
         (16384, 64, Precision::Fp16),
-        (32768, 64, Precision::Int8Fp8),
+        (32768, 64, Precision::Fp16),
         (32768, 256, Precision::Fp16),
     ] {
         let plan = Plan::new(&Problem::new(1, 2, 1, len, len, d)).unwrap();

@@ -99,18 +99,19 @@ struct OnlineSoftmax {
   // the new max, which is 0 for a row that has seen no key) of each row, and
   // whether any score of the step is masked (uniform over the warpgroup: it
   // depends on the key blocks and the warpgroup's first row only).
-  __device__ __forceinline__ OnlineSoftmax(const Params& p_, int qb, int cw, int tid)
+  // q0: the CTA tile's first query row (RowWork::q0).
+  __device__ __forceinline__ OnlineSoftmax(const Params& p_, int q0, int cw, int tid)
       : p(p_),
         quad(tid & 3),
-        row0(qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
-        row1(qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
-        wg_row_min(qb * 128 + cw * 64),
+        row0(q0 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
+        row1(q0 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2) + 8),
+        wg_row_min(q0 + cw * 64),
         diag(p_.Lkv - p_.Lq) {}
-  // A fresh state for query block qb (persistent CTAs: the next row).
-  __device__ __forceinline__ void reset(int qb, int cw, int tid) {
-    row0 = qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2);
+  // A fresh state for the tile at query row q0 (persistent CTAs: the next row).
+  __device__ __forceinline__ void reset(int q0, int cw, int tid) {
+    row0 = q0 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2);
     row1 = row0 + 8;
-    wg_row_min = qb * 128 + cw * 64;
+    wg_row_min = q0 + cw * 64;
     m0 = m1 = -INFINITY;
     l0 = l1 = 0.f;
   }
@@ -289,8 +290,8 @@ struct ConsumerBase {
         b(w.b),
         h(w.h),
         bhkv(w.bhkv),
-        qrow(int64_t(w.bh) * p_.nQB * 128 + w.qb * 128 + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
-        sm(p_, w.qb, cw_, tid) {
+        qrow(int64_t(w.bh) * p_.nQB * 128 + w.q0 + cw_ * 64 + (tid / 32) * 16 + ((tid & 31) >> 2)),
+        sm(p_, w.q0, cw_, tid) {
     load_qscale();
   }
   // The next row of a persistent CTA: its indices and a fresh softmax state.
@@ -298,8 +299,8 @@ struct ConsumerBase {
     b = w.b;
     h = w.h;
     bhkv = w.bhkv;
-    qrow = int64_t(w.bh) * p.nQB * 128 + w.qb * 128 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2);
-    sm.reset(w.qb, cw, tid);
+    qrow = int64_t(w.bh) * p.nQB * 128 + w.q0 + cw * 64 + (tid / 32) * 16 + ((tid & 31) >> 2);
+    sm.reset(w.q0, cw, tid);
     load_qscale();
   }
   __device__ __forceinline__ void load_qscale() {

@@ -26,6 +26,8 @@ struct Params {
   int64_t lse_stride[3];
   int Hq, group, Lq, Lkv, nQB, nKB;
   int n_rows;            // B * Hq * nQB: the mask rows of the call
+  int q_rows;            // query rows per CTA tile: 128 (a mask row), or the wide dense tiles'
+                         // 192 (then nQB and n_rows count those tiles: sm90 Mainloop16::Wide)
   float scale_log2;      // scale * log2(e)
   int tma_store;         // the output goes out through shared memory and the tm_o tensor map
   int out_bf16;          // the output's 16-bit type (mainloops not templated on it)
@@ -55,6 +57,7 @@ inline Params make_params(const AttnArgs& a) {
   p.nQB = static_cast<int>(pb.nQB);
   p.nKB = static_cast<int>(pb.nKB);
   p.n_rows = static_cast<int>(pb.B * pb.Hq * pb.nQB);
+  p.q_rows = kGpuBlockQ;
   p.scale_log2 = pb.scale * kLog2e;
   p.out_bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
   p.q_scale = a.q_scale;
@@ -71,20 +74,21 @@ inline Params make_params(const AttnArgs& a) {
 // cnt, idx, causal, Lq, Lkv, nQB, nKB, Hq and group.
 struct RowWork {
   int row_id, bh, qb, b, h, hkv, bhkv, n_tiles;
+  int q0;  // the tile's first query row: qb * p.q_rows
   const int32_t* tiles;
 
   template <class P>
   __device__ __forceinline__ explicit RowWork(const P& p) {
     const bool dense = p.idx == nullptr;
     set_row(p, dense ? dense_row(int(blockIdx.x), p.Hq, p.group, p.nQB, p.causal) : p.order[blockIdx.x]);
-    n_tiles = dense ? dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB) : p.cnt[row_id];
+    n_tiles = dense ? dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB, p.q_rows) : p.cnt[row_id];
     tiles = dense ? nullptr : p.idx + int64_t(row_id) * p.nKB;
   }
   // Dense work: mask row `row` (persistent CTAs, persistent_row).
   template <class P>
   __device__ __forceinline__ RowWork(const P& p, int row) {
     set_row(p, row);
-    n_tiles = dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB);
+    n_tiles = dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB, p.q_rows);
     tiles = nullptr;
   }
   // The row's indices.
@@ -93,6 +97,7 @@ struct RowWork {
     row_id = row;
     bh = row_id / p.nQB;
     qb = row_id - bh * p.nQB;
+    q0 = qb * p.q_rows;
     b = bh / p.Hq;
     h = bh - b * p.Hq;
     hkv = h / p.group;

@@ -77,6 +77,7 @@ struct Params {
   const int32_t* order;  // [B*Hq*nQB]
   int causal;            // the problem's causality (= kCausal)
   int Hq, group, Lq, Lkv, nQB, nKB;
+  int q_rows;        // query rows per CTA (128: attn::RowWork)
   int D;             // the problem's head dim (<= the kernel's; D = 96 runs the 128-wide kernel)
   float scale_log2;  // scale * log2(e), > 0
 };

@@ -58,6 +58,7 @@ sparge_status_t portable_setup(const AttnArgs& a, LaunchBlob* blob, bool* applie
   p.Lq = static_cast<int>(pr.Lq);
   p.Lkv = static_cast<int>(pr.Lkv);
   p.nQB = static_cast<int>(pr.nQB);
+  p.q_rows = kGpuBlockQ;
   p.nKB = static_cast<int>(pr.nKB);
   p.D = static_cast<int>(pr.D);
   p.scale_log2 = pr.scale * kLog2e;

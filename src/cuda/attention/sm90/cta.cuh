@@ -17,8 +17,9 @@ namespace sm90 {
 using attn::Params;
 using attn::RowWork;
 
-constexpr int kTurnBar0 = 1;  // named barriers 1, 2: consumer turn-taking (0 is __syncthreads)
-constexpr int kEpiBar0 = 4;   // named barriers 4, 5: a consumer warpgroup's staged output tile is complete
+constexpr int kTurnBar0 = 1;  // named barriers 1-3: consumer turn-taking (0 is __syncthreads; 3 only with
+                              // three consumers, which the INT8_FP8 mainloop's barrier 3 never has)
+constexpr int kEpiBar0 = 4;   // named barriers 4-6: a consumer warpgroup's staged output tile is complete
 
 // The tensor maps a kernel reads (q, k, v, v2: the second V term of split V)
 // and writes (o), passed as __grid_constant__ kernel parameters.
@@ -108,20 +109,21 @@ struct SmemRing {
 
 
 // Thread 0, before the CTA-wide barrier: initialises the ring (`full`: one
-// arrival plus the stage's bytes; `empty`: the 256 consumer threads) and the
+// arrival plus the stage's bytes; `empty`: the `consumers` threads) and the
 // Q barrier, then issues Q (`load_q`) and stage 0 (`load_stage(0, blocks)`).
 // The row's first list entries are read alongside its count (they are inside
 // the row's nKB entries whatever the count), so the first stage waits for one
 // global load after `order`, not two; the values past the count are dropped.
 template <int kStages, int kHalves, class LoadQ, class LoadStage>
-__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, uint64_t* full, uint64_t* empty,
+__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, int consumers, uint64_t* full,
+                                           uint64_t* empty,
                                            uint64_t* qbar, LoadQ load_q, LoadStage load_stage) {
   int first[kHalves];
 #pragma unroll
   for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < nKB) ? w.listed(hh) : -1;
   for (int s = 0; s < kStages; ++s) {
     mbar_init(&full[s], 1);
-    mbar_init(&empty[s], 256);
+    mbar_init(&empty[s], consumers);
   }
   mbar_init(qbar, 1);
   mbar_fence_init();

@@ -3,7 +3,9 @@
 // mainloop_16bit.cuh: FP16 and INT8_FP16).
 //
 // One CTA computes one 128-row query block of one (batch, head) over the key
-// blocks listed for it (the scheduling stage's work lists). Three warpgroups:
+// blocks listed for it (the scheduling stage's work lists). Three warpgroups
+// (a mainloop with kConsumers = 3, dense calls only, has a third consumer and
+// 192-row tiles; the turns pass round the consumers in order):
 //   WG0  producer: one thread issues the mainloop's TMA loads of Q (once) and,
 //        per step, of the step's listed K and V blocks into a ring of
 //        shared-memory stages guarded by full/empty mbarriers (Q and stage 0
@@ -39,10 +41,17 @@ namespace sparge {
 namespace cuda {
 namespace sm90 {
 
-constexpr int kThreads = 384;
-// setmaxnreg budgets: 128*24 + 256*240 <= 64K registers of the SM.
-constexpr uint32_t kProducerRegs = 24;
-constexpr uint32_t kConsumerRegs = 240;
+// setmaxnreg budgets: 128*24 + 256*240 <= 64K registers of the SM (two
+// consumer warpgroups); 128*32 + 384*160 = 64K (three).
+template <int kCW>
+constexpr uint32_t kProducerRegs = kCW == 2 ? 24 : 32;
+template <int kCW>
+constexpr uint32_t kConsumerRegs = kCW == 2 ? 240 : 160;
+// The consumer warpgroup that takes the turn after cw.
+template <int kCW>
+__device__ __forceinline__ int next_consumer(int cw) {
+  return cw + 1 == kCW ? 0 : cw + 1;
+}
 
 // The pieces of the consumers' turns, shared by consume and consume_stream.
 // A row's first Q.K^T, waited for (nothing is in flight to pair it with).
@@ -95,15 +104,15 @@ __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], con
   ap0 = ac0;
   ap1 = ac1;
 }
-// The last turn: P.V of the last step, waited for; warpgroup 1 hands no turn
-// on, which balances the initial arrive of consume / consume_stream.
-template <class C, class PA>
+// The last turn: P.V of the last step, waited for; the last warpgroup hands
+// no turn on, which balances the initial arrive of consume / consume_stream.
+template <int kCW, class C, class PA>
 __device__ __forceinline__ void last_pv(C& c, uint64_t dv, const PA& pa, uint64_t* empty_sp, int me, int other,
                                         float ap0, float ap1) {
   turn_begin(me);
   c.issue_pv(dv, pa);
   wgmma_commit();
-  if (me == 0) turn_end(other);
+  if (me != kCW - 1) turn_end(other);
   wgmma_wait<0>();
   c.fence_pv();
   mbar_arrive(empty_sp);
@@ -116,9 +125,9 @@ __device__ __forceinline__ void last_pv(C& c, uint64_t dv, const PA& pa, uint64_
 template <class ML, class C, class Ring>
 __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0 = 0) {
   constexpr int kHalves = ML::kHalves;
-  constexpr int kStages = ML::Layout::kStages;
-  const int me = c.cw, other = c.cw ^ 1;
-  if (me == 1) turn_end(0);  // warpgroup 0 goes first
+  constexpr int kStages = ML::Layout::kStages, kCW = ML::kConsumers;
+  const int me = c.cw, other = next_consumer<kCW>(c.cw);
+  if (me == kCW - 1) turn_end(0);  // warpgroup 0 goes first
   uint32_t pa[ML::KS][4];
   float ap0, ap1;  // rescale factors of the previous step
   int kb[kHalves];
@@ -145,7 +154,7 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
     step_softmax<ML>(c, kb, ksc, pa, &ring.empty[sp], ap0, ap1);
   }
   const int sp = (g0 + n_steps - 1) % kStages;
-  last_pv(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
+  last_pv<kCW>(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
 }
 
 // The consumers of a persistent CTA with two Q buffers: one software pipeline
@@ -160,8 +169,8 @@ template <class ML, class Ring, class QBuf>
 __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p, const Ring& ring, uint64_t* qfull,
                                                uint64_t* qempty, QBuf qbuf, int tid) {
   constexpr int kHalves = ML::kHalves;
-  constexpr int kStages = ML::Layout::kStages;
-  const int cw = threadIdx.x / 128 - 1, me = cw, other = cw ^ 1;
+  constexpr int kStages = ML::Layout::kStages, kCW = ML::kConsumers;
+  const int cw = threadIdx.x / 128 - 1, me = cw, other = next_consumer<kCW>(cw);
   int k = 0;
   // The CTA's next row (past the slots without one); -1 past the last.
   auto next_row = [&]() -> int {
@@ -175,7 +184,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   RowWork w(p, row);
   int n = w.steps<kHalves>();
   typename ML::Consumer c(p, cw, tid, w, ring.base, qbuf(0));
-  if (me == 1) turn_end(0);  // warpgroup 0 goes first
+  if (me == kCW - 1) turn_end(0);  // warpgroup 0 goes first
   uint32_t pa[ML::KS][4];
   float ap0, ap1;
   int kb[kHalves];
@@ -240,7 +249,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   }
   // The last row's last P.V.
   const int sp = (g - 1) % kStages;
-  last_pv(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
+  last_pv<kCW>(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
   c.epilogue(maps, ring.base, tid);
   mbar_arrive(&qempty[i & 1]);
 }
@@ -268,29 +277,30 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
   using L = typename ML::Layout;
   using PL = PersistLayout<L>;
   constexpr int kStages = L::kStages, kHalves = ML::kHalves, kQBufs = PL::kQBufs;
+  constexpr int kCW = ML::kConsumers, kConsumerThreads = 128 * kCW;
   // No producer side work, no K scales (consume_stream loads a row's first
   // step's blocks before retargeting), the row max under the P.V.
   static_assert(ML::kPersistOK && !ML::kI8C && ML::kMaxUnderPV, "persistent CTAs: the FP16 mainloop only");
   const SmemRing<kStages> ring(smem_raw, L::kBar);
   uint64_t* qfull = ring.qbar;  // [2]
-  uint64_t* qempty = ring.qbar + 2;  // [2]: the 256 consumer threads, once a row's output has left the buffer
+  uint64_t* qempty = ring.qbar + 2;  // [2]: the consumer threads, once a row's output has left the buffer
   auto qbuf = [&](int i) { return ring.base + (i == 0 ? L::kQ : PL::kQ2); };
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], 256);
+      mbar_init(&ring.empty[s], kConsumerThreads);
     }
     for (int i = 0; i < 2; ++i) {
       mbar_init(&qfull[i], 1);
-      mbar_init(&qempty[i], 256);
+      mbar_init(&qempty[i], kConsumerThreads);
     }
     mbar_fence_init();
   }
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs>();
+    regs_dealloc<kProducerRegs<kCW>>();
     if (threadIdx.x != 0) return;
     int g = 0, i = 0;  // the ring's steps so far; this CTA's rows so far
     for (int k = 0;; ++k) {
@@ -327,7 +337,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
     return;
   }
 
-  regs_alloc<kConsumerRegs>();
+  regs_alloc<kConsumerRegs<kCW>>();
   const int tid = threadIdx.x - 128 * wg;
   if constexpr (kQBufs == 2 && !ML::kCausalC) {
     consume_stream<ML>(maps, p, ring, qfull, qempty, qbuf, tid);
@@ -354,7 +364,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
 template <class ML>
 __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8_t* smem_raw) {
   using L = typename ML::Layout;
-  constexpr int kStages = L::kStages, kHalves = ML::kHalves;
+  constexpr int kStages = L::kStages, kHalves = ML::kHalves, kCW = ML::kConsumers;
   static_assert(kHalves <= kListReadAhead, "the first step reads more list entries than the scheduler defines");
   const SmemRing<kStages> ring(smem_raw, L::kBar);
   const RowWork w(p);
@@ -372,12 +382,12 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   };
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0)
-    start_ring<kStages, kHalves>(w, p.nKB, n_steps, ring.full, ring.empty, ring.qbar,
+    start_ring<kStages, kHalves>(w, p.nKB, n_steps, 128 * kCW, ring.full, ring.empty, ring.qbar,
                                  [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); }, load_stage);
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs>();
+    regs_dealloc<kProducerRegs<kCW>>();
     if (threadIdx.x == 0) {
       produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
     } else if (threadIdx.x >= 32 && threadIdx.x < 64) {
@@ -386,7 +396,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
     return;
   }
 
-  regs_alloc<kConsumerRegs>();
+  regs_alloc<kConsumerRegs<kCW>>();
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
   if (n_steps > 0) consume<ML>(c, w, ring, n_steps);
@@ -396,7 +406,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
 // kPersist: dense work on persistent CTAs (persistent_cta; the grid is at
 // most one CTA per SM); else one CTA per mask row (row_cta).
 template <class ML, bool kPersist>
-__global__ void __launch_bounds__(kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
+__global__ void __launch_bounds__(ML::kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   extern __shared__ uint8_t smem_raw[];

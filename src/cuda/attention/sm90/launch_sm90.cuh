@@ -26,6 +26,7 @@ struct Sm90Launch {
   Params p;
   unsigned grid;
   int persist;  // attn_sm90_kernel<ML, true>: dense work on `grid` persistent CTAs
+  int wide;     // the kernels of ML::Wide (a dense call; p counts its tiles)
 };
 static_assert(sizeof(Sm90Launch) <= sizeof(LaunchBlob), "the launch blob holds the sm_90a launch");
 static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is plain data");
@@ -45,18 +46,24 @@ sparge_status_t supports(const Problem& pb) {
               "(B*H*L >= 2^31 or L >= 2^30)");
 }
 
+// The launch of mainloop ML into *s. Tiles of ML::kRows query rows: 128 (the
+// mask rows) or, for a dense call of a Wide mainloop, 192, which p's nQB and
+// n_rows then count.
 template <class ML>
-sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
-  *applies = true;
+sparge_status_t setup_launch(const AttnArgs& a, Sm90Launch* s, bool* applies) {
   using L = typename ML::Layout;
   static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
   static_assert(!ML::kPersistOK || PersistLayout<L>::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
-  Sm90Launch* s = reinterpret_cast<Sm90Launch*>(blob->bytes);  // plain data in a 64-byte aligned blob
-  *s = Sm90Launch{};
   const Problem& pb = a.prob;
   s->p = attn::make_params(a);
   Params& p = s->p;
-  s->grid = static_cast<unsigned>(pb.B * pb.Hq * pb.nQB);
+  const int64_t tiles = ML::kRows == kGpuBlockQ ? pb.nQB : (pb.Lq + ML::kRows - 1) / ML::kRows;
+  if (ML::kRows != kGpuBlockQ) {
+    p.q_rows = ML::kRows;
+    p.nQB = static_cast<int>(tiles);
+    p.n_rows = static_cast<int>(pb.B * pb.Hq * tiles);
+  }
+  s->grid = static_cast<unsigned>(pb.B * pb.Hq * tiles);
   const bool bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16;
   // The FP16 mode reads the caller's tensors by TMA (16-byte rows); the int8
   // modes write the output in 4-byte pairs where the TMA store does not apply.
@@ -97,7 +104,7 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
       return SPARGE_OK;
     }
     if constexpr (!ML::kI8C) {
-      if (make_map_bhld16(enc, &m.q, a.q.data, bf16, a.q.shape, a.q.stride, kGpuBlockQ) != CUDA_SUCCESS ||
+      if (make_map_bhld16(enc, &m.q, a.q.data, bf16, a.q.shape, a.q.stride, L::kQBoxRows) != CUDA_SUCCESS ||
           make_map_bhld16(enc, &m.k, a.k.data, bf16, a.k.shape, a.k.stride, kGpuBlockK) != CUDA_SUCCESS) {
         *applies = false;
         return SPARGE_OK;
@@ -113,8 +120,8 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   // Dense work of the FP16 mainloop on persistent CTAs (kernel.cuh) where
   // use_persistent's measured rule says so: at most one CTA per SM.
   if constexpr (ML::kPersistOK) {
-    if (a.idx == nullptr && a.sm_count > 0 && use_persistent(pb, a.sm_count)) {
-      const int64_t units = persistent_units(pb.B * pb.Hq * pb.nQB, pb.nQB, pb.causal);
+    if (a.idx == nullptr && a.sm_count > 0 && use_persistent(pb, a.sm_count, ML::kConsumers)) {
+      const int64_t units = persistent_units(pb.B * pb.Hq * tiles, tiles, pb.causal);
       s->persist = 1;
       const int64_t cap = persistent_grid_cap(a.sm_count);
       s->grid = static_cast<unsigned>(units < cap ? units : cap);
@@ -130,21 +137,44 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
 }
 
 template <class ML>
-sparge_status_t run(const LaunchBlob& blob, cudaStream_t stream) {
-  const Sm90Launch& s = *reinterpret_cast<const Sm90Launch*>(blob.bytes);
-  if (s.grid == 0) return SPARGE_OK;
+sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
+  *applies = true;
+  Sm90Launch* s = reinterpret_cast<Sm90Launch*>(blob->bytes);  // plain data in a 64-byte aligned blob
+  *s = Sm90Launch{};
+  // A dense call takes the mainloop's wide variant where it has one.
+  if constexpr (!std::is_void<typename ML::Wide>::value) {
+    if (a.idx == nullptr && use_wide(a.prob, a.sm_count)) {
+      s->wide = 1;
+      return setup_launch<typename ML::Wide>(a, s, applies);
+    }
+  }
+  return setup_launch<ML>(a, s, applies);
+}
+
+template <class ML>
+sparge_status_t run_launch(const Sm90Launch& s, cudaStream_t stream) {
   if constexpr (ML::kPersistOK) {
     if (s.persist) {
-      SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, true>, dim3(s.grid), dim3(kThreads),
+      SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, true>, dim3(s.grid), dim3(ML::kThreads),
                                   size_t(PersistLayout<typename ML::Layout>::kAlloc), stream, s.maps, s.p),
                        "attn_sm90_kernel (persistent)");
       return SPARGE_OK;
     }
   }
-  SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, false>, dim3(s.grid), dim3(kThreads), size_t(ML::Layout::kAlloc),
-                              stream, s.maps, s.p),
+  SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, false>, dim3(s.grid), dim3(ML::kThreads),
+                              size_t(ML::Layout::kAlloc), stream, s.maps, s.p),
                    "attn_sm90_kernel");
   return SPARGE_OK;
+}
+
+template <class ML>
+sparge_status_t run(const LaunchBlob& blob, cudaStream_t stream) {
+  const Sm90Launch& s = *reinterpret_cast<const Sm90Launch*>(blob.bytes);
+  if (s.grid == 0) return SPARGE_OK;
+  if constexpr (!std::is_void<typename ML::Wide>::value) {
+    if (s.wide) return run_launch<typename ML::Wide>(s, stream);
+  }
+  return run_launch<ML>(s, stream);
 }
 
 // The registry entry of mainloop ML.
@@ -156,7 +186,7 @@ constexpr KernelEntry entry(sparge_precision_t precision, sparge_dtype_t dtype, 
                      kGpuBlockQ,
                      ML::kKeys,
                      ML::Layout::kStages,
-                     kThreads,
+                     ML::kThreads,
                      ML::Layout::kAlloc,
                      &supports<ML>,
                      &setup<ML>,

@@ -36,12 +36,25 @@ using attn::OnlineSoftmax;
 using attn::pack16;
 using attn::Pack16;
 
-template <class T, int D, bool kCausal, bool kI8>
+//
+// kCW: consumer warpgroups (64 query rows each). 2: the CTA tile is one
+// 128-row mask row (every call). 3: dense FP16 calls at D = 64 only (Wide
+// below): 192-row tiles, 128-key steps, so that two warpgroups' softmax
+// overlaps the third's products (at D = 64 a step's products are too short
+// to cover one warpgroup's softmax).
+template <class T, int D, bool kCausal, bool kI8, int kCW = 2>
 struct Mainloop16 {
   static constexpr int Dk = int(gpu_kernel_head_dim(D));
   static_assert(Dk == 64 || Dk == 128 || Dk == 256, "16-bit P.V on sm_90a: kernel head dim 64, 128 or 256");
-  static constexpr int kHalves = blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D);
+  static_assert(kCW == 2 || (kCW == 3 && !kI8 && D == 64), "three consumer warpgroups: dense FP16 at D = 64");
+  static constexpr int kConsumers = kCW;
+  static constexpr int kRows = 64 * kCW;  // query rows of a CTA tile
+  static constexpr int kThreads = 128 * (kCW + 1);
+  static constexpr int kHalves =
+      kCW == 3 ? 2 : blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D);
   static constexpr int kKeys = kHalves * 64;
+  // The dense-call variant of this mainloop (launch_sm90.cuh), or void.
+  using Wide = std::conditional_t<(kCW == 2 && !kI8 && D == 64), Mainloop16<T, D, kCausal, false, 3>, void>;
   static constexpr int kHeadDim = D;
   static constexpr bool kI8C = kI8, kFp8PV = false, kTmaStore = true;
   static constexpr bool kCausalC = kCausal;
@@ -57,7 +70,7 @@ struct Mainloop16 {
 
   // Shared memory. Every 16-bit operand tile is stored as column blocks of 64
   // elements (128 bytes per row, 128B swizzle, as TMA writes it):
-  //   Q      [Dk/64][128 rows][64]       K-major A operand
+  //   Q      [Dk/64][kRows][64]          K-major A operand
   //   K (s)  [Dk/64][kKeys][64]          K-major B operand of Q K^T; block hh of
   //                                      the step fills keys 64hh..64hh+63
   //   V (s)  [Dk/64][kKeys][64]          MN-major B operand of P V (N = Dk)
@@ -70,12 +83,13 @@ struct Mainloop16 {
     static constexpr int kCols = Dk / 64;           // 64-element column blocks
     static constexpr int kW8 = Dk < 128 ? Dk : 128;  // int8 column block width (bytes)
     static constexpr int kCols8 = Dk / kW8;
-    static constexpr int kQCol = 128 * 128;         // bytes of one 16-bit Q column block
+    static constexpr int kQCol = kRows * 128;       // bytes of one 16-bit Q column block
     static constexpr int kKVCol = kKeys * 128;      // bytes of one 16-bit K or V column block (a step)
     static constexpr int kBlockRows = 64 * 128;     // bytes of one listed block inside a column block
     static constexpr int kQCol8 = 128 * kW8;        // bytes of one int8 Q column block
     static constexpr int kKCol8 = kKeys * kW8;      // bytes of one int8 K column block (a step)
     static constexpr int kQBytes = kI8 ? 128 * Dk : kCols * kQCol;
+    static constexpr int kQBoxRows = kCW == 2 ? 128 : 64;  // rows of the Q map's box (the host's map)
     static constexpr int kKBytes = kI8 ? kKeys * Dk : kCols * kKVCol;  // K of one stage
     static constexpr int kVBytes = kCols * kKVCol;                    // V of one stage
     static constexpr int kKStage = kKBytes, kVStage = kVBytes;
@@ -106,7 +120,9 @@ struct Mainloop16 {
     } else {
 #pragma unroll
       for (int cb = 0; cb < Layout::kCols; ++cb)
-        tma_load_4d(sq + cb * Layout::kQCol, &m.q, bar, cb * 64, w.qb * 128, w.h, w.b);
+#pragma unroll
+        for (int r = 0; r < kRows; r += Layout::kQBoxRows)
+          tma_load_4d(sq + cb * Layout::kQCol + r * 128, &m.q, bar, cb * 64, w.q0 + r, w.h, w.b);
     }
   }
   // Listed block kb into slot hh of a stage (sk, sv): its K rows (INT8_FP16:

@@ -35,6 +35,8 @@ struct MainloopInt8Fp8 {
   static constexpr int kHalves = blocks_per_step(kVTerms == 2 ? SPARGE_PRECISION_INT8_FP8_SPLIT_V
                                                               : SPARGE_PRECISION_INT8_FP8, D);
   static constexpr int kKeys = kHalves * 64;
+  static constexpr int kConsumers = 2, kRows = 128, kThreads = 384;  // kernel.cuh
+  using Wide = void;  // no dense-call variant
   static constexpr int kHeadDim = D;
   static constexpr bool kI8C = true, kFp8PV = true;
   static constexpr bool kCausalC = kCausal;

@@ -83,7 +83,31 @@ int persistent_grid_cap(int sm_count) {
   return cap > 0 && cap < sm_count ? cap : sm_count;
 }
 
-bool use_persistent(const Problem& pb, int sm_count) {
+namespace {
+// Causal units of persistent CTAs (pairs of a head's tiles) that fill the
+// SMs' last wave to >= 90 %.
+bool causal_units_fill(int64_t rows, int64_t tiles, int64_t sms) {
+  const int64_t units = persistent_units(rows, tiles, 1), waves = (units + sms - 1) / sms;
+  return 10 * units >= 9 * waves * sms;
+}
+}  // namespace
+
+bool use_wide(const Problem& pb, int sm_count) {
+  const int sw = dev_switches().wide;
+  if (sw >= 0) return sw == 1;
+  // Measured (PERF-NOTES v54, H100): non-causal -8 ... -36 % on every shape
+  // but the smallest. Causal: rows of <= 2K keys gain only where the tiles
+  // are one wave (1x12x2K: -15 %; 8x12x1K: +9 %); longer rows gain on
+  // persistent CTAs whose units fill the last wave (1x12x4K: -32 %) or with
+  // many waves (8x12x8K: -7 %), and lose with a few ragged waves of one CTA
+  // per tile (1x12x8K without persistence: +6 %).
+  if (!pb.causal) return true;
+  const int64_t tiles = (pb.Lq + 191) / 192, ctas = pb.B * pb.Hq * tiles, sms = sm_count;
+  if (sm_count <= 0 || ctas <= sms) return true;
+  return pb.nKB > 32 && (causal_units_fill(ctas, tiles, sms) || ctas >= 4 * sms);
+}
+
+bool use_persistent(const Problem& pb, int sm_count, int consumers) {
   const int sw = dev_switches().persist;
   if (sw >= 0) return sw == 1;
   // Measured (PERF-NOTES v50): causal calls gain from the balanced pairs of
@@ -93,12 +117,20 @@ bool use_persistent(const Problem& pb, int sm_count) {
   // where the consumers pipeline across rows (-4 ... -8 %).
   // Head dims 64 and 128 only: the measured ones (the D = 256 kernel spills
   // 80 bytes per row in its persistent epilogue).
-  const int64_t rows = pb.B * pb.Hq * pb.nQB, sms = sm_count, dk = gpu_kernel_head_dim(pb.D);
+  const int64_t tile = 64 * consumers, nQT = (pb.Lq + tile - 1) / tile;
+  const int64_t rows = pb.B * pb.Hq * nQT, sms = sm_count, dk = gpu_kernel_head_dim(pb.D);
   if (dk != 64 && dk != 128) return false;
   const bool d64 = dk == 64;
+  if (consumers == 3) {
+    // The wide D = 64 kernel (PERF-NOTES v54): causal as below; non-causal
+    // only with <= 1K keys (8x12x1K, 64x12x1K: -2 ... -4 %), since its
+    // pipeline across rows spills (2K keys: +1 %, 4K-8K: +5 ... +9 %).
+    if (pb.causal) return causal_units_fill(rows, nQT, sms);
+    return pb.nKB <= 16 && rows >= 2 * sms;
+  }
   if (pb.causal) {
-    const int64_t units = persistent_units(rows, pb.nQB, 1), waves = (units + sms - 1) / sms;
-    return 10 * units >= 9 * waves * sms && (d64 || pb.nKB <= 32 || units <= 4 * sms);
+    const int64_t units = persistent_units(rows, nQT, 1);
+    return causal_units_fill(rows, nQT, sms) && (d64 || pb.nKB <= 32 || units <= 4 * sms);
   }
   return d64 && pb.nKB <= 64 && rows >= 2 * sms;
 }

@@ -38,10 +38,14 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 // the TMA store through shared memory where a kernel has room for it.
 bool tma_store_from_env();
 
-// Whether the dense work of a 16-bit sm_90a kernel runs on persistent CTAs
+// Whether the dense work of a 16-bit sm_90a kernel with `consumers` consumer
+// warpgroups (tiles of 64 * consumers query rows) runs on persistent CTAs
 // (kernel.cuh): SPARGE_SM90_PERSIST=0 / 1 decides where set; else rows many
 // and short (docs/PERF-NOTES.md v50).
-bool use_persistent(const Problem& pb, int sm_count);
+bool use_persistent(const Problem& pb, int sm_count, int consumers);
+// Whether a dense call takes a mainloop's wide (three-consumer, 192-row)
+// variant: SPARGE_SM90_WIDE=0 / 1 decides where set; else the measured rule.
+bool use_wide(const Problem& pb, int sm_count);
 // The most persistent CTAs: sm_count, or fewer where SPARGE_SM90_PERSIST_GRID says.
 int persistent_grid_cap(int sm_count);
 
