@@ -108,11 +108,14 @@ def test_ring_steps_on_one_gpu(causal, precision, gen):
     out, lse, rows, mask = dist_cases.simulate_ring(q, k, v, world, causal, causal, **kw)
     ref, ref_lse = sparge.attention(q, k, v, is_causal=causal, mask=mask, return_lse=True, precision=precision)
     assert torch.equal(rows, mask)
-    if not causal:  # ring_attention predicts non-causal rows from the local queries and all of K
+    if not causal:
+        # Without a local window (whose blocks sit at global query positions) a non-causal row depends
+        # on its query block and all of K only: ring_attention then predicts from the local queries.
+        mask0 = sparge.predict_mask(q, k, topk=0.4, precision=precision, local_window=0)
         for r in range(world):
             ql = sd.shard_sequence(q, r, world, dim=2, zigzag=False)
-            local = sparge.predict_mask(ql, k, topk=0.4, precision=precision)
-            assert torch.equal(local, mask[:, :, r * (N // world // 128):(r + 1) * (N // world // 128)])
+            local = sparge.predict_mask(ql, k, topk=0.4, precision=precision, local_window=0)
+            assert torch.equal(local, mask0[:, :, r * (N // world // 128):(r + 1) * (N // world // 128)])
     # float64 attention on the mask (every used key of a kept block, the causal rule)
     qd, kd, vd = (t.double() for t in (q, k, v))
     kd, vd = kd.repeat_interleave(4, dim=1), vd.repeat_interleave(4, dim=1)
