@@ -15,9 +15,8 @@
 //                                 sm90::use_persistent says)
 //   SPARGE_SM90_PERSIST_GRID=N    at most N persistent CTAs (tests: many rows per CTA
 //                                 on small problems)
-//   SPARGE_SM90_WIDE=0 / 1        dense FP16 calls at D = 64 never / always run the
-//                                 three-consumer kernel (default: where the rule of
-//                                 sm90::use_wide says; else the masked calls' kernel)
+//   SPARGE_SM90_WIDE=0            dense FP16 calls at D = 64 run the masked calls'
+//                                 two-consumer kernel instead of the three-consumer one
 // and one documented setting (docs/API.md), read the same way:
 //   SPARGE_KERNEL_FAMILY=portable plans choose the portable (mma.sync) family on any
 //                                 GPU, also where an architecture-specific one exists
@@ -36,7 +35,7 @@ struct DevSwitches {
   bool graphs = true;
   int persist = -1;      // SPARGE_SM90_PERSIST: 0, 1, or -1 (the rule)
   int persist_grid = 0;  // SPARGE_SM90_PERSIST_GRID: the most persistent CTAs (0: one per SM)
-  int wide = -1;         // SPARGE_SM90_WIDE: 0, 1, or -1 (the rule)
+  int wide = -1;         // SPARGE_SM90_WIDE: 0, 1, or -1 (the default: wide)
 };
 
 const DevSwitches& dev_switches();

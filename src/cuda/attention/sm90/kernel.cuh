@@ -105,29 +105,29 @@ __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], con
   ap1 = ac1;
 }
 // The last turn: P.V of the last step, waited for; the last warpgroup hands
-// no turn on, which balances the initial arrive of consume / consume_stream.
+// no turn on, which balances the initial arrive of consume / consume_stream
+// (hand_on: turns follow, consume's passed turns).
 template <int kCW, class C, class PA>
 __device__ __forceinline__ void last_pv(C& c, uint64_t dv, const PA& pa, uint64_t* empty_sp, int me, int other,
-                                        float ap0, float ap1) {
+                                        float ap0, float ap1, bool hand_on = false) {
   turn_begin(me);
   c.issue_pv(dv, pa);
   wgmma_commit();
-  if (me != kCW - 1) turn_end(other);
+  if (hand_on || me != kCW - 1) turn_end(other);
   wgmma_wait<0>();
   c.fence_pv();
   mbar_arrive(empty_sp);
   c.after_last_pv(ap0, ap1);
 }
 
-// The consumers' steps 0 .. n_steps-1 of one row (see the file comment).
-// g0: the ring's step count before the row (0 unless CTAs are persistent):
-// step u of the row uses stage (g0 + u) % kStages.
+// consume's steps 0 .. n-1 (n >= 0; none, no turn) with their n + 1 turns;
+// hand_on: the last turn hands on whichever warpgroup this is.
 template <class ML, class C, class Ring>
-__device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0 = 0) {
+__device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0, int me,
+                                              int other, bool hand_on) {
   constexpr int kHalves = ML::kHalves;
   constexpr int kStages = ML::Layout::kStages, kCW = ML::kConsumers;
-  const int me = c.cw, other = next_consumer<kCW>(c.cw);
-  if (me == kCW - 1) turn_end(0);  // warpgroup 0 goes first
+  if (n_steps == 0) return;
   uint32_t pa[ML::KS][4];
   float ap0, ap1;  // rescale factors of the previous step
   int kb[kHalves];
@@ -154,7 +154,54 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
     step_softmax<ML>(c, kb, ksc, pa, &ring.empty[sp], ap0, ap1);
   }
   const int sp = (g0 + n_steps - 1) % kStages;
-  last_pv<kCW>(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
+  last_pv<kCW>(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1, hand_on);
+}
+
+// The steps of a row that warpgroup c's rows can see: none when they are all
+// past the problem's last row (the padding of the last tile); with causality
+// and a dense row (blocks listed in key order), none past the last key of its
+// last row. The steps left out hold only masked scores for these rows, which
+// change neither their max, nor their sums, nor O: same bits.
+template <class ML, class C>
+__device__ __forceinline__ int visible_steps(const C& c, const RowWork& w, int n_steps) {
+  const int row_lo = c.sm.wg_row_min, Lq = c.p.Lq;
+  if (row_lo >= Lq) return 0;
+  if (!ML::kCausalC || w.tiles != nullptr) return n_steps;
+  const int last_row = row_lo + 63 < Lq - 1 ? row_lo + 63 : Lq - 1;
+  const int last_key = last_row + (c.p.Lkv - Lq);
+  if (last_key < 0) return 0;
+  const int blocks = last_key / 64 + 1 < w.n_tiles ? last_key / 64 + 1 : w.n_tiles;
+  const int n = (blocks + ML::kHalves - 1) / ML::kHalves;
+  return n < n_steps ? n : n_steps;
+}
+
+// The consumers' steps 0 .. n_steps-1 of one row (see the file comment).
+// g0: the ring's step count before the row (0 unless CTAs are persistent):
+// step u of the row uses stage (g0 + u) % kStages. A warpgroup computes only
+// the steps its rows can see (visible_steps); for the others it releases the
+// stage once loaded and passes its turn, so every warpgroup takes n_steps + 1
+// turns and every stage gets all its arrivals.
+template <class ML, class C, class Ring>
+__device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0 = 0) {
+  constexpr int kStages = ML::Layout::kStages, kCW = ML::kConsumers;
+  const int me = c.cw, other = next_consumer<kCW>(c.cw);
+  if (me == kCW - 1) turn_end(0);  // warpgroup 0 goes first
+  const int n_mine = visible_steps<ML>(c, w, n_steps);  // uniform over the warpgroup
+  consume_steps<ML>(c, w, ring, n_mine, g0, me, other, n_mine < n_steps);
+  if (n_mine == n_steps) return;
+  // The steps this warpgroup's rows do not see: each stage released once
+  // loaded, each turn passed on (the last warpgroup's last one not).
+  for (int u = n_mine; u < n_steps; ++u) {
+    const int g = g0 + u, s = g % kStages;
+    mbar_wait(&ring.full[s], (g / kStages) & 1);
+    mbar_arrive(&ring.empty[s]);
+    named_bar_sync(kTurnBar0 + me, 256);
+    if (n_mine == 0 || u + 1 < n_steps || me != kCW - 1) turn_end(other);
+  }
+  if (n_mine == 0) {  // the turn of the row's last P.V
+    named_bar_sync(kTurnBar0 + me, 256);
+    if (me != kCW - 1) turn_end(other);
+  }
 }
 
 // The consumers of a persistent CTA with two Q buffers: one software pipeline

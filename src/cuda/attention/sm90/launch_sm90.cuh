@@ -143,7 +143,7 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   *s = Sm90Launch{};
   // A dense call takes the mainloop's wide variant where it has one.
   if constexpr (!std::is_void<typename ML::Wide>::value) {
-    if (a.idx == nullptr && use_wide(a.prob, a.sm_count)) {
+    if (a.idx == nullptr && use_wide()) {
       s->wide = 1;
       return setup_launch<typename ML::Wide>(a, s, applies);
     }

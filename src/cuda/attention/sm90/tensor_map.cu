@@ -92,19 +92,14 @@ bool causal_units_fill(int64_t rows, int64_t tiles, int64_t sms) {
 }
 }  // namespace
 
-bool use_wide(const Problem& pb, int sm_count) {
+bool use_wide() {
   const int sw = dev_switches().wide;
   if (sw >= 0) return sw == 1;
-  // Measured (PERF-NOTES v54, H100): non-causal -8 ... -36 % on every shape
-  // but the smallest. Causal: rows of <= 2K keys gain only where the tiles
-  // are one wave (1x12x2K: -15 %; 8x12x1K: +9 %); longer rows gain on
-  // persistent CTAs whose units fill the last wave (1x12x4K: -32 %) or with
-  // many waves (8x12x8K: -7 %), and lose with a few ragged waves of one CTA
-  // per tile (1x12x8K without persistence: +6 %).
-  if (!pb.causal) return true;
-  const int64_t tiles = (pb.Lq + 191) / 192, ctas = pb.B * pb.Hq * tiles, sms = sm_count;
-  if (sm_count <= 0 || ctas <= sms) return true;
-  return pb.nKB > 32 && (causal_units_fill(ctas, tiles, sms) || ctas >= 4 * sms);
+  // Measured (PERF-NOTES v54, H100): -10 ... -16 % on non-causal rows from 2K
+  // keys; causal -3 ... -32 % (with persistent CTAs on the rows below) or
+  // within 1 us (1x12x1K, 8x12x1K) once a warpgroup skips the steps its rows
+  // cannot see.
+  return true;
 }
 
 bool use_persistent(const Problem& pb, int sm_count, int consumers) {
@@ -122,10 +117,12 @@ bool use_persistent(const Problem& pb, int sm_count, int consumers) {
   if (dk != 64 && dk != 128) return false;
   const bool d64 = dk == 64;
   if (consumers == 3) {
-    // The wide D = 64 kernel (PERF-NOTES v54): causal as below; non-causal
-    // only with <= 1K keys (8x12x1K, 64x12x1K: -2 ... -4 %), since its
-    // pipeline across rows spills (2K keys: +1 %, 4K-8K: +5 ... +9 %).
-    if (pb.causal) return causal_units_fill(rows, nQT, sms);
+    // The wide D = 64 kernel (PERF-NOTES v54): causal with > 2K keys when the
+    // units fill the last wave (1x12x4K -32 %, 1x12x8K -14 %; with <= 2K keys
+    // +9 ... +27 %); non-causal only with <= 1K keys (8x12x1K, 64x12x1K:
+    // -2 ... -4 %), since its pipeline across rows spills (2K keys: +1 %,
+    // 4K-8K: +5 ... +9 %).
+    if (pb.causal) return pb.nKB > 32 && causal_units_fill(rows, nQT, sms);
     return pb.nKB <= 16 && rows >= 2 * sms;
   }
   if (pb.causal) {

@@ -44,8 +44,9 @@ bool tma_store_from_env();
 // and short (docs/PERF-NOTES.md v50).
 bool use_persistent(const Problem& pb, int sm_count, int consumers);
 // Whether a dense call takes a mainloop's wide (three-consumer, 192-row)
-// variant: SPARGE_SM90_WIDE=0 / 1 decides where set; else the measured rule.
-bool use_wide(const Problem& pb, int sm_count);
+// variant: SPARGE_SM90_WIDE=0 / 1 decides where set; else yes (measured on
+// every shape of the grid: docs/PERF-NOTES.md v54).
+bool use_wide();
 // The most persistent CTAs: sm_count, or fewer where SPARGE_SM90_PERSIST_GRID says.
 int persistent_grid_cap(int sm_count);
 
