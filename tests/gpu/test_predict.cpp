@@ -1463,7 +1463,7 @@ SpecGroups spec_groups(const Inputs& in, int64_t h, int64_t qb, int64_t Dk, bool
 
 // The CUDA grouping kernel's groups (workspace regions split_q, split_n) against the definition, bit
 // for bit: full blocks with Dk = D (the kernel's unrolled path), tail blocks, D below Dk, each dtype;
-// clustered rows (most blocks split) and independent ones (adaptive: no block splits).
+// clustered rows (blocks split) and independent ones (adaptive: no block splits).
 TEST_CASE("predict, grouping estimators: CUDA groups and their means equal the float32 definition bit for bit",
           "[gpu][predict][split2][sanitize]") {
   const std::vector<PredCase> cases = {

@@ -160,17 +160,15 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
 // The steps of a row that warpgroup c's rows can see: none when they are all
 // past the problem's last row (the padding of the last tile); with causality
 // and a dense row (blocks listed in key order), none past the last key of its
-// last row. The steps left out hold only masked scores for these rows, which
-// change neither their max, nor their sums, nor O: same bits.
+// last row (dense_blocks of its 64 rows). The steps left out hold only masked
+// scores for these rows, which change neither their max, nor their sums, nor
+// O: same bits.
 template <class ML, class C>
 __device__ __forceinline__ int visible_steps(const C& c, const RowWork& w, int n_steps) {
-  const int row_lo = c.sm.wg_row_min, Lq = c.p.Lq;
-  if (row_lo >= Lq) return 0;
+  const int row_lo = c.sm.wg_row_min;
+  if (row_lo >= c.p.Lq) return 0;
   if (!ML::kCausalC || w.tiles != nullptr) return n_steps;
-  const int last_row = row_lo + 63 < Lq - 1 ? row_lo + 63 : Lq - 1;
-  const int last_key = last_row + (c.p.Lkv - Lq);
-  if (last_key < 0) return 0;
-  const int blocks = last_key / 64 + 1 < w.n_tiles ? last_key / 64 + 1 : w.n_tiles;
+  const int blocks = dense_blocks(row_lo / 64, 1, c.p.Lq, c.p.Lkv, c.p.nKB, 64);
   const int n = (blocks + ML::kHalves - 1) / ML::kHalves;
   return n < n_steps ? n : n_steps;
 }
