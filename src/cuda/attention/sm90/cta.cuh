@@ -91,22 +91,58 @@ __device__ __forceinline__ void write_output(const Params& p, const SM& sm, int 
 
 // The dynamic shared memory, its base aligned to 1024 bytes (the 128B
 // swizzle pattern of TMA and wgmma repeats every 1024 bytes; the allocation
-// carries 1 KiB of slack), and the barriers at byte offset `bar`: full[kStages],
-// empty[kStages], then the Q barrier (persistent CTAs: qfull[2], qempty[2]).
-template <int kStages>
+// carries 1 KiB of slack), and the ring's barriers at byte offset `bar`:
+// full[kStages], empty[kStages], with kSplit fullv[kStages], emptyv[kStages],
+// then the Q barrier (persistent CTAs: qfull[2], qempty[2]).
+// One pair per stage guards its K and V together: the consumers release the
+// stage once P.V has read V. kSplit: K and V have pairs of their own (full /
+// empty guard K), so K's slot is free once Q.K^T has read it, a step before V's,
+// and two stages cover the loads (persistent CTAs at D = 128, PersistLayout).
+// Steps are counted by g across the ring (stage g % kStages, phase
+// (g / kStages) & 1).
+template <int kStages, bool kSplit = false>
 struct SmemRing {
+  static constexpr int kStagesC = kStages;
+  static constexpr bool kSplitC = kSplit;
+  static constexpr int kBarriers = (kSplit ? 4 : 2) * kStages;
   uint8_t* base;
   uint64_t* full;
   uint64_t* empty;
+  uint64_t* fullv;   // kSplit only (else full)
+  uint64_t* emptyv;  // kSplit only (else empty)
   uint64_t* qbar;
   __device__ __forceinline__ SmemRing(uint8_t* raw, int bar) {
     base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
     full = reinterpret_cast<uint64_t*>(base + bar);
     empty = full + kStages;
-    qbar = empty + kStages;
+    fullv = kSplit ? empty + kStages : full;
+    emptyv = kSplit ? fullv + kStages : empty;
+    qbar = full + kBarriers;
   }
+  // Thread 0: the ring's barriers (full: one arrival plus the bytes; empty:
+  // the `consumers` threads).
+  __device__ __forceinline__ void init(int consumers) const {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], consumers);
+      if constexpr (kSplit) {
+        mbar_init(&fullv[s], 1);
+        mbar_init(&emptyv[s], consumers);
+      }
+    }
+  }
+  // The consumers' side, by step: step g's K (and, unsplit, V) loaded; its V
+  // loaded (split); K read by Q.K^T (split); V read by P.V (frees the stage
+  // unsplit).
+  __device__ __forceinline__ void wait_k(int g) const { mbar_wait(&full[g % kStages], (g / kStages) & 1); }
+  __device__ __forceinline__ void wait_v(int g) const {
+    if constexpr (kSplit) mbar_wait(&fullv[g % kStages], (g / kStages) & 1);
+  }
+  __device__ __forceinline__ void release_k(int g) const {
+    if constexpr (kSplit) mbar_arrive(&empty[g % kStages]);
+  }
+  __device__ __forceinline__ void release_v(int g) const { mbar_arrive(&emptyv[g % kStages]); }
 };
-
 
 // Thread 0, before the CTA-wide barrier: initialises the ring (`full`: one
 // arrival plus the stage's bytes; `empty`: the `consumers` threads) and the

@@ -22,10 +22,11 @@
 // (at most one per SM, persistent_cta): a CTA takes its rows in turn, its
 // producer thread loads each row's Q into one of one or two Q buffers
 // (qfull / qempty barriers) and the ring of stages runs on across rows; there
-// is no producer side work (FP16 has none). With two Q buffers the next row's
-// Q loads during the current row, and the non-causal consumers pipeline
-// across rows (consume_stream); with one, it loads once the previous row's
-// output has left the buffer.
+// is no producer side work (FP16 has none). With two Q buffers (D = 64; D =
+// 128 with a ring of two stages whose K and V have barriers of their own,
+// PersistLayout) the next row's Q loads during the current row, and the
+// non-causal consumers pipeline across rows (consume_stream); with one
+// (D = 256), it loads once the previous row's output has left the buffer.
 // The online softmax (../common/softmax.cuh) and the epilogue writer (cta.cuh) are
 // shared; a mainloop supplies its layout, loads, matrix products, fold and
 // output scaling. Host side: launch_sm90.cuh.
@@ -53,6 +54,12 @@ __device__ __forceinline__ int next_consumer(int cw) {
   return cw + 1 == kCW ? 0 : cw + 1;
 }
 
+// This thread's warpgroup, through a shuffle so that the compiler knows it is
+// warp-uniform: what derives from it (a consumer's Q descriptor, its row
+// range, its visible steps) then stays in uniform registers, and the
+// descriptors of a turn's wgmma batch are not rebuilt per instruction.
+__device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0); }
+
 // The pieces of the consumers' turns, shared by consume and consume_stream.
 // A row's first Q.K^T, waited for (nothing is in flight to pair it with).
 template <class C>
@@ -75,14 +82,16 @@ __device__ __forceinline__ void step_turn(C& c, IssueQK issue_qk, uint64_t dv, c
   turn_end(other);
 }
 // After step u's turn: the row max of Q.K^T(u) while P.V(u-1) runs, then the
-// exponentials; P.V(u-1)'s completion releases its stage (empty_sp) and O is
-// rescaled. ap: the previous step's rescale factors, in and out.
-template <class ML, class C, class PA, int kHalves>
+// exponentials; Q.K^T(u)'s completion releases K of ring step g (split
+// rings), P.V(u-1)'s V of step g - 1, and O is rescaled. ap: the previous
+// step's rescale factors, in and out.
+template <class ML, class C, class PA, int kHalves, class Ring>
 __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], const float (&ksc)[kHalves], PA& pa,
-                                             uint64_t* empty_sp, float& ap0, float& ap1) {
+                                             const Ring& ring, int g, float& ap0, float& ap1) {
   float ac0, ac1;  // rescale factors of the current step
   wgmma_wait<1>();  // Q.K^T(u) done
   fence_regs(c.s);
+  ring.release_k(g);
   const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
   if constexpr (ML::kMaxUnderPV) {
     // The wait sits inside the exponentials' branch arms: ptxas schedules
@@ -91,32 +100,34 @@ __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], con
       wgmma_wait<0>();  // P.V(u-1) done
       c.fence_pv();
       fence_regs(pa);
-      mbar_arrive(empty_sp);
+      ring.release_v(g - 1);
       c.after_pv(ap0, ap1, ac0, ac1);
     });
   } else {
     wgmma_wait<0>();  // P.V(u-1) done
     c.fence_pv();
     fence_regs(pa);
-    mbar_arrive(empty_sp);
+    ring.release_v(g - 1);
     c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] { c.after_pv(ap0, ap1, ac0, ac1); });
   }
   ap0 = ac0;
   ap1 = ac1;
 }
-// The last turn: P.V of the last step, waited for; the last warpgroup hands
-// no turn on, which balances the initial arrive of consume / consume_stream
-// (hand_on: turns follow, consume's passed turns).
-template <int kCW, class C, class PA>
-__device__ __forceinline__ void last_pv(C& c, uint64_t dv, const PA& pa, uint64_t* empty_sp, int me, int other,
-                                        float ap0, float ap1, bool hand_on = false) {
+// The last turn: P.V of ring step g (the row's last), waited for; the last
+// warpgroup hands no turn on, which balances the initial arrive of consume /
+// consume_stream (hand_on: turns follow, consume's passed turns).
+template <int kCW, class C, class PA, class Ring>
+__device__ __forceinline__ void last_pv(C& c, const PA& pa, const Ring& ring, int g, int me, int other, float ap0,
+                                        float ap1, bool hand_on = false) {
+  const uint64_t dv = c.desc_v(g % Ring::kStagesC);
+  ring.wait_v(g);
   turn_begin(me);
   c.issue_pv(dv, pa);
   wgmma_commit();
   if (hand_on || me != kCW - 1) turn_end(other);
   wgmma_wait<0>();
   c.fence_pv();
-  mbar_arrive(empty_sp);
+  ring.release_v(g);
   c.after_last_pv(ap0, ap1);
 }
 
@@ -126,7 +137,7 @@ template <class ML, class C, class Ring>
 __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0, int me,
                                               int other, bool hand_on) {
   constexpr int kHalves = ML::kHalves;
-  constexpr int kStages = ML::Layout::kStages, kCW = ML::kConsumers;
+  constexpr int kStages = Ring::kStagesC, kCW = ML::kConsumers;
   if (n_steps == 0) return;
   uint32_t pa[ML::KS][4];
   float ap0, ap1;  // rescale factors of the previous step
@@ -139,22 +150,23 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
   };
   // Step 0: Q.K^T alone, waited for.
   blocks(0);
-  mbar_wait(&ring.full[g0 % kStages], (g0 / kStages) & 1);
+  ring.wait_k(g0);
   first_qk(c, c.desc_k(g0 % kStages), me, other);
+  ring.release_k(g0);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
   }
   for (int u = 1; u < n_steps; ++u) {
     const int g = g0 + u, s = g % kStages, sp = (g - 1) % kStages;
-    mbar_wait(&ring.full[s], (g / kStages) & 1);
+    ring.wait_k(g);
+    ring.wait_v(g - 1);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     blocks(u);
     step_turn(c, [&] { c.issue_qk(dk); }, dv, pa, me, other);
-    step_softmax<ML>(c, kb, ksc, pa, &ring.empty[sp], ap0, ap1);
+    step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1);
   }
-  const int sp = (g0 + n_steps - 1) % kStages;
-  last_pv<kCW>(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1, hand_on);
+  last_pv<kCW>(c, pa, ring, g0 + n_steps - 1, me, other, ap0, ap1, hand_on);
 }
 
 // The steps of a row that warpgroup c's rows can see: none when they are all
@@ -181,18 +193,20 @@ __device__ __forceinline__ int visible_steps(const C& c, const RowWork& w, int n
 // turns and every stage gets all its arrivals.
 template <class ML, class C, class Ring>
 __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring, int n_steps, int g0 = 0) {
-  constexpr int kStages = ML::Layout::kStages, kCW = ML::kConsumers;
+  constexpr int kCW = ML::kConsumers;
   const int me = c.cw, other = next_consumer<kCW>(c.cw);
   if (me == kCW - 1) turn_end(0);  // warpgroup 0 goes first
-  const int n_mine = visible_steps<ML>(c, w, n_steps);  // uniform over the warpgroup
+  const int n_mine = visible_steps<ML>(c, w, n_steps);  // uniform over the warpgroup (warpgroup())
   consume_steps<ML>(c, w, ring, n_mine, g0, me, other, n_mine < n_steps);
   if (n_mine == n_steps) return;
   // The steps this warpgroup's rows do not see: each stage released once
   // loaded, each turn passed on (the last warpgroup's last one not).
   for (int u = n_mine; u < n_steps; ++u) {
-    const int g = g0 + u, s = g % kStages;
-    mbar_wait(&ring.full[s], (g / kStages) & 1);
-    mbar_arrive(&ring.empty[s]);
+    const int g = g0 + u;
+    ring.wait_k(g);
+    ring.wait_v(g);
+    ring.release_k(g);
+    ring.release_v(g);
     named_bar_sync(kTurnBar0 + me, 256);
     if (n_mine == 0 || u + 1 < n_steps || me != kCW - 1) turn_end(other);
   }
@@ -214,8 +228,8 @@ template <class ML, class Ring, class QBuf>
 __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p, const Ring& ring, uint64_t* qfull,
                                                uint64_t* qempty, QBuf qbuf, int tid) {
   constexpr int kHalves = ML::kHalves;
-  constexpr int kStages = ML::Layout::kStages, kCW = ML::kConsumers;
-  const int cw = threadIdx.x / 128 - 1, me = cw, other = next_consumer<kCW>(cw);
+  constexpr int kStages = Ring::kStagesC, kCW = ML::kConsumers;
+  const int cw = warpgroup() - 1, me = cw, other = next_consumer<kCW>(cw);
   int k = 0;
   // The CTA's next row (past the slots without one); -1 past the last.
   auto next_row = [&]() -> int {
@@ -242,8 +256,9 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   // The first row's step 0: Q.K^T alone.
   blocks(w, 0);
   mbar_wait(&qfull[0], 0);
-  mbar_wait(&ring.full[0], 0);
+  ring.wait_k(0);
   first_qk(c, c.desc_k(0), me, other);
+  ring.release_k(0);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
@@ -265,11 +280,12 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
     } else {
       blocks(w, u);
     }
-    mbar_wait(&ring.full[s], (g / kStages) & 1);
+    ring.wait_k(g);
+    ring.wait_v(g - 1);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     step_turn(c, [&] { c.issue_qk(dk, dq); }, dv, pa, me, other);
     if (!boundary) {
-      step_softmax<ML>(c, kb, ksc, pa, &ring.empty[sp], ap0, ap1);
+      step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1);
       ++u;
     } else {
       // The row's last P.V and the next row's first Q.K^T are done: the row's
@@ -278,7 +294,8 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
       fence_regs(c.s);
       c.fence_pv();
       fence_regs(pa);
-      mbar_arrive(&ring.empty[sp]);
+      ring.release_k(g);
+      ring.release_v(g - 1);
       c.after_last_pv(ap0, ap1);
       c.epilogue(maps, ring.base, tid);
       mbar_arrive(&qempty[i & 1]);
@@ -293,24 +310,32 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
     ++g;
   }
   // The last row's last P.V.
-  const int sp = (g - 1) % kStages;
-  last_pv<kCW>(c, c.desc_v(sp), pa, &ring.empty[sp], me, other, ap0, ap1);
+  last_pv<kCW>(c, pa, ring, g - 1, me, other, ap0, ap1);
   c.epilogue(maps, ring.base, tid);
   mbar_arrive(&qempty[i & 1]);
 }
 
 // Shared memory of the persistent kernel: the mainloop's layout with the
-// barriers full[kStages], empty[kStages], qfull[2], qempty[2] at its barrier
-// offset, and a second Q buffer after them where it fits (kQBufs = 2: row i's
-// Q loads while row i-1 runs and stores its output through the other buffer;
-// 1: row i's Q loads once row i-1 has stored its output, after row i's first
-// stages).
+// ring's barriers and qfull[2], qempty[2] at its barrier offset, and Q in one
+// or two buffers (kQBufs = 2: row i's Q loads while row i-1 runs and stores
+// its output through the other buffer; 1: row i's Q loads once row i-1 has
+// stored its output, after row i's first stages). The second buffer goes
+// after the barriers where it fits (the layout's ring, D = 64); else, where
+// the layout has three stages or more, in the slot of its last K stage, the
+// ring one stage shorter and split into K and V barriers (D = 128: two stages
+// cover the loads once K's slot frees a step before V's); else (D = 256) there
+// is one buffer.
 template <class L>
 struct PersistLayout {
-  static constexpr int kBarBytes = (2 * L::kStages + 4) * 8;  // full, empty, qfull[2], qempty[2]
-  static constexpr int kQ2 = (L::kBar + kBarBytes + 1023) / 1024 * 1024;
-  static constexpr int kQBufs = (kQ2 + L::kQBytes + 1024 <= 227 * 1024) ? 2 : 1;
-  static constexpr int kAlloc = (kQBufs == 2 ? kQ2 + L::kQBytes : L::kBar + kBarBytes) + 1024;
+  static constexpr int kQ2After = (L::kBar + (2 * L::kStages + 4) * 8 + 1023) / 1024 * 1024;
+  static constexpr bool kAfter = kQ2After + L::kQBytes + 1024 <= 227 * 1024;
+  static constexpr bool kSplit = !kAfter && L::kStages >= 3 && L::kKStage >= L::kQBytes;
+  static constexpr int kStages = kSplit ? L::kStages - 1 : L::kStages;
+  static constexpr int kQBufs = (kAfter || kSplit) ? 2 : 1;
+  using Ring = SmemRing<kStages, kSplit>;
+  static constexpr int kBarBytes = (Ring::kBarriers + 4) * 8;  // the ring's, qfull[2], qempty[2]
+  static constexpr int kQ2 = kAfter ? kQ2After : L::kK + kStages * L::kKStage;
+  static constexpr int kAlloc = (kAfter ? kQ2 + L::kQBytes : L::kBar + kBarBytes) + 1024;
 };
 
 // The persistent CTA (dense work of the 16-bit mainloops): the rows of
@@ -321,21 +346,18 @@ template <class ML>
 __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p, uint8_t* smem_raw) {
   using L = typename ML::Layout;
   using PL = PersistLayout<L>;
-  constexpr int kStages = L::kStages, kHalves = ML::kHalves, kQBufs = PL::kQBufs;
+  constexpr int kStages = PL::kStages, kHalves = ML::kHalves, kQBufs = PL::kQBufs;
   constexpr int kCW = ML::kConsumers, kConsumerThreads = 128 * kCW;
   // No producer side work, no K scales (consume_stream loads a row's first
   // step's blocks before retargeting), the row max under the P.V.
   static_assert(ML::kPersistOK && !ML::kI8C && ML::kMaxUnderPV, "persistent CTAs: the FP16 mainloop only");
-  const SmemRing<kStages> ring(smem_raw, L::kBar);
+  const typename PL::Ring ring(smem_raw, L::kBar);
   uint64_t* qfull = ring.qbar;  // [2]
   uint64_t* qempty = ring.qbar + 2;  // [2]: the consumer threads, once a row's output has left the buffer
   auto qbuf = [&](int i) { return ring.base + (i == 0 ? L::kQ : PL::kQ2); };
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup();
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], kConsumerThreads);
-    }
+    ring.init(kConsumerThreads);
     for (int i = 0; i < 2; ++i) {
       mbar_init(&qfull[i], 1);
       mbar_init(&qempty[i], kConsumerThreads);
@@ -354,20 +376,32 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
       if (row < 0) continue;
       const RowWork w(p, row);
       const int n = w.steps<kHalves>(), qi = i % kQBufs;
+      // Ring step g + u <- step u's blocks: K and V together, or (split)
+      // K once its slot is free, then V once its slot is.
       auto stage = [&](int u) {
-        const int gg = g + u, s = gg % kStages;
-        if (gg >= kStages) mbar_wait(&ring.empty[s], ((gg / kStages) - 1) & 1);
+        const int gg = g + u, s = gg % kStages, ph = ((gg / kStages) - 1) & 1;
         int kbh[kHalves];
 #pragma unroll
         for (int hh = 0; hh < kHalves; ++hh) {
           const int kb = w.block<kHalves>(u, hh);
           kbh[hh] = kb >= 0 ? kb : w.block<kHalves>(u, 0);  // as load_stage in attn_sm90_kernel
         }
-        mbar_arrive_expect_tx(&ring.full[s], L::kKStage + L::kVStage);
         uint8_t* sk = ring.base + L::kK + s * L::kKStage;
         uint8_t* sv = ring.base + L::kV + s * L::kVStage;
+        if (gg >= kStages) mbar_wait(&ring.empty[s], ph);
+        if constexpr (PL::kSplit) {
+          mbar_arrive_expect_tx(&ring.full[s], L::kKStage);
 #pragma unroll
-        for (int hh = 0; hh < kHalves; ++hh) ML::load_block(maps, p, w, sk, sv, &ring.full[s], hh, kbh[hh]);
+          for (int hh = 0; hh < kHalves; ++hh) ML::template load_part<false>(maps, w, sk, &ring.full[s], hh, kbh[hh]);
+          if (gg >= kStages) mbar_wait(&ring.emptyv[s], ph);
+          mbar_arrive_expect_tx(&ring.fullv[s], L::kVStage);
+#pragma unroll
+          for (int hh = 0; hh < kHalves; ++hh) ML::template load_part<true>(maps, w, sv, &ring.fullv[s], hh, kbh[hh]);
+        } else {
+          mbar_arrive_expect_tx(&ring.full[s], L::kKStage + L::kVStage);
+#pragma unroll
+          for (int hh = 0; hh < kHalves; ++hh) ML::load_block(maps, p, w, sk, sv, &ring.full[s], hh, kbh[hh]);
+        }
       };
       // One Q buffer: the row's first stages before its Q, which waits for
       // the previous row's output to leave the buffer.
@@ -425,7 +459,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
     for (int hh = 0; hh < kHalves; ++hh)
       ML::load_block(maps, p, w, sk, sv, &ring.full[s], hh, kbh[hh] >= 0 ? kbh[hh] : kbh[0]);
   };
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup();
   if (threadIdx.x == 0)
     start_ring<kStages, kHalves>(w, p.nKB, n_steps, 128 * kCW, ring.full, ring.empty, ring.qbar,
                                  [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); }, load_stage);

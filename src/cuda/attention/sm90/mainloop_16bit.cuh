@@ -134,13 +134,21 @@ struct Mainloop16 {
       for (int cb = 0; cb < Layout::kCols8; ++cb)
         tma_load_2d(sk + cb * Layout::kKCol8 + hh * 64 * Layout::kW8, &m.k, full, cb * Layout::kW8,
                     (w.bhkv * p.nKB + kb) * 64);
+    } else {
+      load_part<false>(m, w, sk, full, hh, kb);
     }
+    load_part<true>(m, w, sv, full, hh, kb);
+  }
+  // The 16-bit K (kV false; FP16 only) or V rows of block kb into slot hh of
+  // a stage's K or V tile at dst (a split ring loads them apart).
+  template <bool kV>
+  __device__ __forceinline__ static void load_part(const Maps& m, const RowWork& w, uint8_t* dst, uint64_t* bar,
+                                                   int hh, int kb) {
+    static_assert(kV || !kI8, "int8 K rows load through load_block");
 #pragma unroll
-    for (int cb = 0; cb < Layout::kCols; ++cb) {
-      const int off = cb * Layout::kKVCol + hh * Layout::kBlockRows;
-      if constexpr (!kI8) tma_load_4d(sk + off, &m.k, full, cb * 64, kb * 64, w.hkv, w.b);
-      tma_load_4d(sv + off, &m.v, full, cb * 64, kb * 64, w.hkv, w.b);
-    }
+    for (int cb = 0; cb < Layout::kCols; ++cb)
+      tma_load_4d(dst + cb * Layout::kKVCol + hh * Layout::kBlockRows, kV ? &m.v : &m.k, bar, cb * 64, kb * 64,
+                  w.hkv, w.b);
   }
   __device__ __forceinline__ static void producer_side(const Params&, const RowWork&, uint8_t*, int) {}
 
