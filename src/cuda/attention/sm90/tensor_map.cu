@@ -105,11 +105,13 @@ bool use_wide() {
 bool use_persistent(const Problem& pb, int sm_count, int consumers) {
   const int sw = dev_switches().persist;
   if (sw >= 0) return sw == 1;
-  // Measured (PERF-NOTES v50): causal calls gain from the balanced pairs of
-  // rows when the units fill the SMs' last wave to >= 90 % (1x32x1K-4K x128:
-  // -9 ... -24 %), at D = 128 (one Q buffer) only while the rows are short or
-  // the units few; non-causal calls at D = 64 with many rows of <= 4K keys,
-  // where the consumers pipeline across rows (-4 ... -8 %).
+  // Measured (PERF-NOTES v50, v55): causal calls gain from the balanced pairs
+  // of rows when the units fill the SMs' last wave to >= 90 % (1x32x1K-4K
+  // x128: -11 ... -25 %), at D = 128 only while the rows are short or the
+  // units few (8x32x4K-8K: level or +1 %); non-causal calls at D = 64 with
+  // many rows of <= 4K keys, where the consumers pipeline across rows (-4 ...
+  // -8 %); not at D = 128, where that pipeline runs on a two-stage ring
+  // (+2 ... +5 % from 2K keys, level at 1K).
   // Head dims 64 and 128 only: the measured ones (the D = 256 kernel spills
   // 80 bytes per row in its persistent epilogue).
   const int64_t tile = 64 * consumers, nQT = (pb.Lq + tile - 1) / tile;
