@@ -103,7 +103,6 @@ __device__ __forceinline__ void write_output(const Params& p, const SM& sm, int 
 template <int kStages, bool kSplit = false>
 struct SmemRing {
   static constexpr int kStagesC = kStages;
-  static constexpr bool kSplitC = kSplit;
   static constexpr int kBarriers = (kSplit ? 4 : 2) * kStages;
   uint8_t* base;
   uint64_t* full;
