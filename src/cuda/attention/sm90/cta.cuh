@@ -143,24 +143,20 @@ struct SmemRing {
   __device__ __forceinline__ void release_v(int g) const { mbar_arrive(&emptyv[g % kStages]); }
 };
 
-// Thread 0, before the CTA-wide barrier: initialises the ring (`full`: one
-// arrival plus the stage's bytes; `empty`: the `consumers` threads) and the
-// Q barrier, then issues Q (`load_q`) and stage 0 (`load_stage(0, blocks)`).
+// Thread 0, before the CTA-wide barrier: initialises the ring (SmemRing::init)
+// and the Q barrier, then issues Q (`load_q`) and stage 0 (`load_stage(0,
+// blocks)`).
 // The row's first list entries are read alongside its count (they are inside
 // the row's nKB entries whatever the count), so the first stage waits for one
 // global load after `order`, not two; the values past the count are dropped.
-template <int kStages, int kHalves, class LoadQ, class LoadStage>
-__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, int consumers, uint64_t* full,
-                                           uint64_t* empty,
-                                           uint64_t* qbar, LoadQ load_q, LoadStage load_stage) {
+template <int kHalves, class Ring, class LoadQ, class LoadStage>
+__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, int consumers, const Ring& ring,
+                                           LoadQ load_q, LoadStage load_stage) {
   int first[kHalves];
 #pragma unroll
   for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < nKB) ? w.listed(hh) : -1;
-  for (int s = 0; s < kStages; ++s) {
-    mbar_init(&full[s], 1);
-    mbar_init(&empty[s], consumers);
-  }
-  mbar_init(qbar, 1);
+  ring.init(consumers);
+  mbar_init(ring.qbar, 1);
   mbar_fence_init();
   // Q first (it needs the row only), then stage 0; the consumers wait for Q
   // even on an empty row.

@@ -327,7 +327,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
 // is one buffer.
 template <class L>
 struct PersistLayout {
-  static constexpr int kQ2After = (L::kBar + (2 * L::kStages + 4) * 8 + 1023) / 1024 * 1024;
+  static constexpr int kQ2After = (L::kBar + (SmemRing<L::kStages>::kBarriers + 4) * 8 + 1023) / 1024 * 1024;
   static constexpr bool kAfter = kQ2After + L::kQBytes + 1024 <= 227 * 1024;
   static constexpr bool kSplit = !kAfter && L::kStages >= 3 && L::kKStage >= L::kQBytes;
   static constexpr int kStages = kSplit ? L::kStages - 1 : L::kStages;
@@ -461,8 +461,8 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   };
   const int wg = warpgroup();
   if (threadIdx.x == 0)
-    start_ring<kStages, kHalves>(w, p.nKB, n_steps, 128 * kCW, ring.full, ring.empty, ring.qbar,
-                                 [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); }, load_stage);
+    start_ring<kHalves>(w, p.nKB, n_steps, 128 * kCW, ring, [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); },
+                        load_stage);
   __syncthreads();
 
   if (wg == 0) {
