@@ -26,6 +26,8 @@
 #             and a per-SASS-instruction CSV (sass_source.csv)
 #   ab        A/B against another source tree (AB_BASE): builds it into build-ab/, then
 #             tools/bench/ab_compare.py runs both trees' sparge_bench alternately (ab.csv)
+#   trace     a build with -DSPARGE_SM90_TRACE=ON (build-trace/): clock stamps of every CTA of one
+#             dense FP16 call per TRACE_SHAPES entry, read by tools/bench/trace_sm90.py (trace.log)
 #   ncu       Nsight Compute (--clock-control none) on the int8_fp8 attention kernel
 #             at N=16K D=128 (tensor-pipe utilization, throughput), the same for the
 #             FP16-mode and INT8_FP16 sm_90a kernels, and kernel durations of one
@@ -46,10 +48,12 @@
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
 #   GRID_ARGS (extra tools/bench/grid.py arguments, e.g. --sparse --pred)
 #   GRID_LIMIT_S (330: the grid stage's time limit; grid.py gets 30 s less as its --budget-s)
+#   TRACE_SHAPES ("B H N D causal persist;...": persist 0, 1 or rule; default 64x32x1Kx128 one CTA
+#   per row and persistent, 1x32x8Kx128)
 #
 # Files written to $OUT (10 at most): build.log test.log sanitize.log bench.log
 # bench.csv anchors.csv ncu.log summary.txt, and with ncusrc: ncusrc.log sass_source.csv;
-# the grid stage (only when named) writes grid.log grid.csv grid.md
+# the grid stage (only when named) writes grid.log grid.csv grid.md; the trace stage trace.log
 set -o pipefail
 set -u
 
@@ -341,6 +345,38 @@ if want ab; then
     fi
     line=$(grep -E '^[0-9]+ workloads: median change' "$LOG/ab.log" | tail -n 1)
     ((rc == 0)) && note ab ok $(($(date +%s) - s)) "$line" || note ab FAIL $(($(date +%s) - s)) "rc=$rc"
+  fi
+fi
+
+# ---------------------------------------------------------------- trace
+# Where an sm_90a attention CTA's time goes (src/cuda/attention/sm90/trace.cuh):
+# a build with -DSPARGE_SM90_TRACE=ON in build-trace/, one dense FP16 call per
+# shape of TRACE_SHAPES, its clock stamps read by tools/bench/trace_sm90.py.
+if want trace; then
+  banner trace
+  s=$(date +%s)
+  TB=$ROOT/build-trace
+  rc=0
+  run_to "$LOG/trace.log" "$(allow 60)" cmake -S "$ROOT" -B "$TB" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARGE_CUDA=ON \
+    -DSPARGE_BUILD_TESTS=OFF -DSPARGE_SM90_TRACE=ON || rc=$?
+  ((rc == 0)) && { run_to "$LOG/trace.log" "$(allow 240)" cmake --build "$TB" -j "$JOBS" --target sparge_bench || rc=$?; }
+  n_traced=0
+  if ((rc == 0)); then
+    IFS=';' read -ra shapes <<<"${TRACE_SHAPES:-64 32 1024 128 0 0;64 32 1024 128 0 1;1 32 8192 128 0 0}"
+    for sh in "${shapes[@]}"; do
+      read -r b h n d c pe <<<"$sh"
+      f=$TB/trace_${b}x${h}x${n}x${d}_c${c}_p${pe}.bin
+      echo "== B=$b H=$h N=$n D=$d causal=$c SPARGE_SM90_PERSIST=$pe" | tee -a "$LOG/trace.log"
+      run_to "$LOG/trace.log" "$(allow 60)" env SPARGE_SM90_PERSIST="$pe" SPARGE_SM90_TRACE_OUT="$f" \
+        "$TB/tools/bench/sparge_bench" --modes fp16full --batch "$b" --heads "$h" --n "$n" --d "$d" --causal "$c" \
+        --warmup 1 --min-iters 3 --max-iters 3 >/dev/null || rc=$?
+      run_to "$LOG/trace.log" "$(allow 30)" python3 "$ROOT/tools/bench/trace_sm90.py" "$f" && n_traced=$((n_traced + 1))
+    done
+  fi
+  if ((rc == 0)); then
+    note trace ok $(($(date +%s) - s)) "$n_traced shapes traced"
+  else
+    note trace FAIL $(($(date +%s) - s)) "rc=$rc; see trace.log"
   fi
 fi
 

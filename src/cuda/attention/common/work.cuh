@@ -35,6 +35,9 @@ struct Params {
   const float* q_mu;     // [BHq, nQB*128]  int8 Q.K^T, written when an LSE is asked for
   const float* k_scale;  // [BHkv, nKB]     int8 Q.K^T
   const float* v_amax;   // [BHkv, Dk]      fp8 P.V
+#ifdef SPARGE_SM90_TRACE
+  unsigned long long* trace;  // sm90/trace.cuh (trace builds only)
+#endif
 };
 
 // Host side: the parameter block of a call (tma_store left 0: a family sets

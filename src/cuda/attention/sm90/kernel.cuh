@@ -35,6 +35,7 @@
 
 #include "cuda/attention/sm90/cta.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
+#include "cuda/attention/sm90/trace.cuh"
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
 
@@ -151,22 +152,34 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
   // Step 0: Q.K^T alone, waited for.
   blocks(0);
   ring.wait_k(g0);
+  trace_event(c.p, me, int(threadIdx.x & 127), 1);
   first_qk(c, c.desc_k(g0 % kStages), me, other);
+  trace_event(c.p, me, int(threadIdx.x & 127), 2);
   ring.release_k(g0);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
   }
+  WgTrace tr;
   for (int u = 1; u < n_steps; ++u) {
     const int g = g0 + u, s = g % kStages, sp = (g - 1) % kStages;
+    tr.begin();
     ring.wait_k(g);
     ring.wait_v(g - 1);
+    tr.end(0);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     blocks(u);
+    tr.begin();
     step_turn(c, [&] { c.issue_qk(dk); }, dv, pa, me, other);
+    tr.end(1);
+    tr.count(3);
     step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1);
   }
+  tr.count(4);
+  tr.flush(c.p, me, int(threadIdx.x & 127));
+  trace_event(c.p, me, int(threadIdx.x & 127), 3);
   last_pv<kCW>(c, pa, ring, g0 + n_steps - 1, me, other, ap0, ap1, hand_on);
+  trace_event(c.p, me, int(threadIdx.x & 127), 4);
 }
 
 // The steps of a row that warpgroup c's rows can see: none when they are all
@@ -264,6 +277,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
   }
   int g = 1, u = 1, i = 0;  // the ring's next step, the row's next step, the row's index in the CTA
+  WgTrace tr;
   for (;;) {
     int next = -1;
     if (u == n) {
@@ -280,10 +294,15 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
     } else {
       blocks(w, u);
     }
+    tr.begin();
     ring.wait_k(g);
     ring.wait_v(g - 1);
+    tr.end(0);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
+    tr.begin();
     step_turn(c, [&] { c.issue_qk(dk, dq); }, dv, pa, me, other);
+    tr.end(1);
+    tr.count(3);
     if (!boundary) {
       step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1);
       ++u;
@@ -297,7 +316,10 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
       ring.release_k(g);
       ring.release_v(g - 1);
       c.after_last_pv(ap0, ap1);
+      tr.begin();
       c.epilogue(maps, ring.base, tid);
+      tr.end(2);
+      tr.count(4);
       mbar_arrive(&qempty[i & 1]);
       ++i;
       w = RowWork(p, next);
@@ -311,7 +333,12 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   }
   // The last row's last P.V.
   last_pv<kCW>(c, pa, ring, g - 1, me, other, ap0, ap1);
+  tr.begin();
   c.epilogue(maps, ring.base, tid);
+  tr.end(2);
+  tr.count(4);
+  tr.flush(p, me, tid);
+  trace_done(p, me, tid);
   mbar_arrive(&qempty[i & 1]);
 }
 
@@ -356,6 +383,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
   uint64_t* qempty = ring.qbar + 2;  // [2]: the consumer threads, once a row's output has left the buffer
   auto qbuf = [&](int i) { return ring.base + (i == 0 ? L::kQ : PL::kQ2); };
   const int wg = warpgroup();
+  if (threadIdx.x == 0) trace_start(p, 0);
   if (threadIdx.x == 0) {
     ring.init(kConsumerThreads);
     for (int i = 0; i < 2; ++i) {
@@ -460,6 +488,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
       ML::load_block(maps, p, w, sk, sv, &ring.full[s], hh, kbh[hh] >= 0 ? kbh[hh] : kbh[0]);
   };
   const int wg = warpgroup();
+  if (threadIdx.x == 0) trace_start(p, n_steps);
   if (threadIdx.x == 0)
     start_ring<kHalves>(w, p.nKB, n_steps, 128 * kCW, ring, [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); },
                         load_stage);
@@ -478,8 +507,10 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   regs_alloc<kConsumerRegs<kCW>>();
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
+  trace_event(p, wg - 1, threadIdx.x - 128 * wg, 0);
   if (n_steps > 0) consume<ML>(c, w, ring, n_steps);
   c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
+  trace_done(p, wg - 1, threadIdx.x - 128 * wg);
 }
 
 // kPersist: dense work on persistent CTAs (persistent_cta; the grid is at

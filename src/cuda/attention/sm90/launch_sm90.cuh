@@ -14,6 +14,11 @@
 #include "cuda/common/internal.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/registry/registry.hpp"
+#ifdef SPARGE_SM90_TRACE
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#endif
 
 namespace sparge {
 namespace cuda {
@@ -30,6 +35,36 @@ struct Sm90Launch {
 };
 static_assert(sizeof(Sm90Launch) <= sizeof(LaunchBlob), "the launch blob holds the sm_90a launch");
 static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is plain data");
+
+#ifdef SPARGE_SM90_TRACE
+// Trace builds (trace.cuh): one buffer for every launch, cleared before and,
+// with SPARGE_SM90_TRACE_OUT=file, written to the file after each launch
+// (uint32 CTA count, then kTraceSlots uint64 per CTA; the last launch wins).
+inline unsigned long long* trace_buffer() {
+  static unsigned long long* buf = nullptr;
+  if (buf == nullptr && cudaMalloc(&buf, size_t(kTraceCtas) * kTraceSlots * 8) != cudaSuccess) buf = nullptr;
+  return buf;
+}
+inline void trace_clear(const Sm90Launch& s, cudaStream_t stream) {
+  if (s.p.trace != nullptr && std::getenv("SPARGE_SM90_TRACE_OUT") != nullptr)
+    (void)cudaMemsetAsync(s.p.trace, 0, size_t(kTraceCtas) * kTraceSlots * 8, stream);
+}
+inline void trace_write(const Sm90Launch& s, cudaStream_t stream) {
+  const char* path = std::getenv("SPARGE_SM90_TRACE_OUT");
+  if (path == nullptr || s.p.trace == nullptr || cudaStreamSynchronize(stream) != cudaSuccess) return;
+  const unsigned n = s.grid < unsigned(kTraceCtas) ? s.grid : unsigned(kTraceCtas);
+  std::vector<unsigned long long> h(size_t(n) * kTraceSlots);
+  if (cudaMemcpy(h.data(), s.p.trace, h.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess) return;
+  if (FILE* f = std::fopen(path, "wb")) {
+    std::fwrite(&n, 4, 1, f);
+    std::fwrite(h.data(), 8, h.size(), f);
+    std::fclose(f);
+  }
+}
+#else
+inline void trace_clear(const Sm90Launch&, cudaStream_t) {}
+inline void trace_write(const Sm90Launch&, cudaStream_t) {}
+#endif
 
 // Tile coordinates are 32-bit: rows of the int8 Q and K (and of V^T), key and
 // row indices (key0 + 64 must not overflow).
@@ -57,6 +92,9 @@ sparge_status_t setup_launch(const AttnArgs& a, Sm90Launch* s, bool* applies) {
   const Problem& pb = a.prob;
   s->p = attn::make_params(a);
   Params& p = s->p;
+#ifdef SPARGE_SM90_TRACE
+  p.trace = trace_buffer();
+#endif
   const int64_t tiles = ML::kRows == kGpuBlockQ ? pb.nQB : (pb.Lq + ML::kRows - 1) / ML::kRows;
   if (ML::kRows != kGpuBlockQ) {
     p.q_rows = ML::kRows;
@@ -153,17 +191,20 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
 
 template <class ML>
 sparge_status_t run_launch(const Sm90Launch& s, cudaStream_t stream) {
+  trace_clear(s, stream);
   if constexpr (ML::kPersistOK) {
     if (s.persist) {
       SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, true>, dim3(s.grid), dim3(ML::kThreads),
                                   size_t(PersistLayout<typename ML::Layout>::kAlloc), stream, s.maps, s.p),
                        "attn_sm90_kernel (persistent)");
+      trace_write(s, stream);
       return SPARGE_OK;
     }
   }
   SPARGE_PDL_CHECK(launch_pdl(attn_sm90_kernel<ML, false>, dim3(s.grid), dim3(ML::kThreads),
                               size_t(ML::Layout::kAlloc), stream, s.maps, s.p),
                    "attn_sm90_kernel");
+  trace_write(s, stream);
   return SPARGE_OK;
 }
 
