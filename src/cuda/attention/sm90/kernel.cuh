@@ -152,9 +152,9 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
   // Step 0: Q.K^T alone, waited for.
   blocks(0);
   ring.wait_k(g0);
-  trace_event(c.p, me, int(threadIdx.x & 127), 1);
+  trace_event(c.p, me, 1);
   first_qk(c, c.desc_k(g0 % kStages), me, other);
-  trace_event(c.p, me, int(threadIdx.x & 127), 2);
+  trace_event(c.p, me, 2);
   ring.release_k(g0);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
@@ -176,10 +176,10 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
     step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1);
   }
   tr.count(4);
-  tr.flush(c.p, me, int(threadIdx.x & 127));
-  trace_event(c.p, me, int(threadIdx.x & 127), 3);
+  tr.flush(c.p, me);
+  trace_event(c.p, me, 3);
   last_pv<kCW>(c, pa, ring, g0 + n_steps - 1, me, other, ap0, ap1, hand_on);
-  trace_event(c.p, me, int(threadIdx.x & 127), 4);
+  trace_event(c.p, me, 4);
 }
 
 // The steps of a row that warpgroup c's rows can see: none when they are all
@@ -337,8 +337,8 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   c.epilogue(maps, ring.base, tid);
   tr.end(2);
   tr.count(4);
-  tr.flush(p, me, tid);
-  trace_done(p, me, tid);
+  tr.flush(p, me);
+  trace_done(p, me);
   mbar_arrive(&qempty[i & 1]);
 }
 
@@ -383,8 +383,8 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
   uint64_t* qempty = ring.qbar + 2;  // [2]: the consumer threads, once a row's output has left the buffer
   auto qbuf = [&](int i) { return ring.base + (i == 0 ? L::kQ : PL::kQ2); };
   const int wg = warpgroup();
-  if (threadIdx.x == 0) trace_start(p, 0);
   if (threadIdx.x == 0) {
+    trace_start(p, 0);
     ring.init(kConsumerThreads);
     for (int i = 0; i < 2; ++i) {
       mbar_init(&qfull[i], 1);
@@ -507,10 +507,10 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   regs_alloc<kConsumerRegs<kCW>>();
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
-  trace_event(p, wg - 1, threadIdx.x - 128 * wg, 0);
+  trace_event(p, wg - 1, 0);
   if (n_steps > 0) consume<ML>(c, w, ring, n_steps);
   c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
-  trace_done(p, wg - 1, threadIdx.x - 128 * wg);
+  trace_done(p, wg - 1);
 }
 
 // kPersist: dense work on persistent CTAs (persistent_cta; the grid is at

@@ -42,7 +42,7 @@ static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is
 // (uint32 CTA count, then kTraceSlots uint64 per CTA; the last launch wins).
 inline unsigned long long* trace_buffer() {
   static unsigned long long* buf = nullptr;
-  if (buf == nullptr && cudaMalloc(&buf, size_t(kTraceCtas) * kTraceSlots * 8) != cudaSuccess) buf = nullptr;
+  if (buf == nullptr && cudaMalloc(&buf, size_t(kTraceCtas) * kTraceSlots * 8) != cudaSuccess) buf = nullptr;  // retried
   return buf;
 }
 inline void trace_clear(const Sm90Launch& s, cudaStream_t stream) {

@@ -54,15 +54,16 @@ __device__ __forceinline__ void trace_start(const attn::Params& p, int steps) {
     t[2] = smid | (static_cast<unsigned long long>(steps) << 32);
   }
 }
-// Event e of consumer warpgroup cw (its first thread writes; tid in the
-// warpgroup).
-__device__ __forceinline__ void trace_event(const attn::Params& p, int cw, int tid, int e) {
-  if (cw < 2 && tid == 0)
+// The first thread of consumer warpgroup cw writes its stamps.
+__device__ __forceinline__ bool trace_writer(int cw) { return cw < 2 && (threadIdx.x & 127) == 0; }
+// Event e of consumer warpgroup cw.
+__device__ __forceinline__ void trace_event(const attn::Params& p, int cw, int e) {
+  if (trace_writer(cw))
     if (unsigned long long* t = trace_cta(p)) t[3 + 6 * cw + e] = trace_clock();
 }
-__device__ __forceinline__ void trace_done(const attn::Params& p, int cw, int tid) {
-  trace_event(p, cw, tid, 5);
-  if (cw == 0 && tid == 0)
+__device__ __forceinline__ void trace_done(const attn::Params& p, int cw) {
+  trace_event(p, cw, 5);
+  if (cw == 0 && trace_writer(cw))
     if (unsigned long long* t = trace_cta(p)) t[15] = trace_gtime();
 }
 // A consumer warpgroup's sums (slots 16 + 8 cw + k).
@@ -71,21 +72,21 @@ struct WgTrace {
   __device__ __forceinline__ void begin() { t0 = trace_clock(); }
   __device__ __forceinline__ void end(int k) { acc[k] += trace_clock() - t0; }
   __device__ __forceinline__ void count(int k) { acc[k] += 1; }
-  __device__ __forceinline__ void flush(const attn::Params& p, int cw, int tid) const {
-    if (cw < 2 && tid == 0)
+  __device__ __forceinline__ void flush(const attn::Params& p, int cw) const {
+    if (trace_writer(cw))
       if (unsigned long long* t = trace_cta(p))
         for (int k = 0; k < 5; ++k) atomicAdd(&t[16 + 8 * cw + k], acc[k]);
   }
 };
 #else
 __device__ __forceinline__ void trace_start(const attn::Params&, int) {}
-__device__ __forceinline__ void trace_event(const attn::Params&, int, int, int) {}
-__device__ __forceinline__ void trace_done(const attn::Params&, int, int) {}
+__device__ __forceinline__ void trace_event(const attn::Params&, int, int) {}
+__device__ __forceinline__ void trace_done(const attn::Params&, int) {}
 struct WgTrace {
   __device__ __forceinline__ void begin() {}
   __device__ __forceinline__ void end(int) {}
   __device__ __forceinline__ void count(int) {}
-  __device__ __forceinline__ void flush(const attn::Params&, int, int) const {}
+  __device__ __forceinline__ void flush(const attn::Params&, int) const {}
 };
 #endif
 
