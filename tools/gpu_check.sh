@@ -367,7 +367,7 @@ if want trace; then
       read -r b h n d c pe <<<"$sh"
       f=$TB/trace_${b}x${h}x${n}x${d}_c${c}_p${pe}.bin
       echo "== B=$b H=$h N=$n D=$d causal=$c SPARGE_SM90_PERSIST=$pe" | tee -a "$LOG/trace.log"
-      run_to "$LOG/trace.log" "$(allow 60)" env SPARGE_SM90_PERSIST="$pe" SPARGE_SM90_TRACE_OUT="$f" \
+      run_to "$LOG/trace.log" "$(allow 60)" env SPARGE_GRAPHS=0 SPARGE_SM90_PERSIST="$pe" SPARGE_SM90_TRACE_OUT="$f" \
         "$TB/tools/bench/sparge_bench" --modes fp16full --batch "$b" --heads "$h" --n "$n" --d "$d" --causal "$c" \
         --warmup 1 --min-iters 3 --max-iters 3 >/dev/null || rc=$?
       run_to "$LOG/trace.log" "$(allow 30)" python3 "$ROOT/tools/bench/trace_sm90.py" "$f" && n_traced=$((n_traced + 1))

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where an sm_90a attention CTA's time goes: reads the stamps a trace build writes.
 
-Build with -DSPARGE_SM90_TRACE=ON (CMake), run one call with SPARGE_SM90_TRACE_OUT=FILE
-(e.g. `sparge_bench --modes fp16full ... --warmup 1 --min-iters 3 --max-iters 3`; the last
-launch of the process is the one in FILE), then `trace_sm90.py FILE [FILE ...]`.
+Build with -DSPARGE_SM90_TRACE=ON (CMake), run with SPARGE_SM90_TRACE_OUT=FILE and
+SPARGE_GRAPHS=0 (e.g. `sparge_bench --modes fp16full ... --warmup 1 --min-iters 3 --max-iters 3`;
+the last launch of the process is the one in FILE; replayed graphs write none), then
+`trace_sm90.py FILE [FILE ...]`.
 The slot layout is documented in src/cuda/attention/sm90/trace.cuh. Figures are medians
 over the CTAs, in SM clock cycles.
 """

@@ -488,10 +488,11 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
       ML::load_block(maps, p, w, sk, sv, &ring.full[s], hh, kbh[hh] >= 0 ? kbh[hh] : kbh[0]);
   };
   const int wg = warpgroup();
-  if (threadIdx.x == 0) trace_start(p, n_steps);
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
+    trace_start(p, n_steps);
     start_ring<kHalves>(w, p.nKB, n_steps, 128 * kCW, ring, [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); },
                         load_stage);
+  }
   __syncthreads();
 
   if (wg == 0) {

@@ -40,6 +40,8 @@ static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is
 // Trace builds (trace.cuh): one buffer for every launch, cleared before and,
 // with SPARGE_SM90_TRACE_OUT=file, written to the file after each launch
 // (uint32 CTA count, then kTraceSlots uint64 per CTA; the last launch wins).
+// A launch into a stream being captured (a call's CUDA graph) writes nothing:
+// trace runs set SPARGE_GRAPHS=0 so that every call launches.
 inline unsigned long long* trace_buffer() {
   static unsigned long long* buf = nullptr;
   if (buf == nullptr && cudaMalloc(&buf, size_t(kTraceCtas) * kTraceSlots * 8) != cudaSuccess) buf = nullptr;  // retried
@@ -51,7 +53,13 @@ inline void trace_clear(const Sm90Launch& s, cudaStream_t stream) {
 }
 inline void trace_write(const Sm90Launch& s, cudaStream_t stream) {
   const char* path = std::getenv("SPARGE_SM90_TRACE_OUT");
-  if (path == nullptr || s.p.trace == nullptr || cudaStreamSynchronize(stream) != cudaSuccess) return;
+  if (path == nullptr || s.p.trace == nullptr) return;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  if (cs != cudaStreamCaptureStatusNone || cudaStreamSynchronize(stream) != cudaSuccess) return;
   const unsigned n = s.grid < unsigned(kTraceCtas) ? s.grid : unsigned(kTraceCtas);
   std::vector<unsigned long long> h(size_t(n) * kTraceSlots);
   if (cudaMemcpy(h.data(), s.p.trace, h.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess) return;

@@ -4,7 +4,8 @@
 // build); otherwise every call below is empty and the kernels' code is that of
 // a plain build. With SPARGE_SM90_TRACE_OUT=file set, each launch clears the
 // stamps, synchronizes after the kernel and writes them to the file
-// (launch_sm90.cuh: the last launch of a process wins).
+// (launch_sm90.cuh: the last launch of a process wins; with SPARGE_GRAPHS=0,
+// since a replayed CUDA graph writes none).
 //
 // Per CTA (blockIdx.x < kTraceCtas) kTraceSlots 64-bit slots:
 //   0  %globaltimer at the start          1  %clock64 at the start
