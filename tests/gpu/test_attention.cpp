@@ -267,6 +267,8 @@ TEST_CASE("attention, small shapes: vs float64 and the CPU backend", "[gpu][atte
       {"Lq333-Lkv130", shp(1, 2, 2, 333, 130, 128, true), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, true, 0},
       {"L200-d96", shp(1, 2, 1, 200, 300, 96, true), Layout::NHD, SPARGE_DTYPE_BFLOAT16, false, true, 0},
       {"L130-d256", shp(1, 2, 2, 130, 200, 256, false), Layout::HND, SPARGE_DTYPE_FLOAT16, false, true, 0},
+      // Non-causal D = 128 under the sanitizers (Lkv: 8 key blocks, the last one partial).
+      {"L300-Lkv500", shp(1, 2, 1, 300, 500, 128, false), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, true, 0},
   };
   for (const AttnCase& c : cases) run_case(c, kDensities);
 }
@@ -290,6 +292,8 @@ TEST_CASE("attention, medium shapes: vs float64 and the CPU backend", "[gpu][att
       {"many-rows-d64-causal", shp(3, 48, 12, 700, 700, 64, true), Layout::HND, SPARGE_DTYPE_FLOAT16, false, true, 0},
       {"Lq1000-Lkv300-d64", shp(1, 2, 2, 1000, 300, 64, true), Layout::HND, SPARGE_DTYPE_BFLOAT16, false, true, 0},
       {"many-rows-causal", shp(2, 40, 8, 600, 600, 128, true), Layout::HND, SPARGE_DTYPE_FLOAT16, false, true, 0},
+      // Non-causal D = 128 with long rows (65 key blocks, the last one partial) and few queries.
+      {"Lq300-Lkv4150", shp(1, 2, 2, 300, 4150, 128, false), Layout::NHD, SPARGE_DTYPE_FLOAT16, false, true, 0},
   };
   for (const AttnCase& c : cases) run_case(c, kDensities);
 }
