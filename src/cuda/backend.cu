@@ -203,10 +203,8 @@ void cache_store(const Plan& plan, const AttnCallKey& key, const LaunchBlob& blo
 // SPARGE_GRAPHS=0 (read once): every call launches its kernels one by one.
 bool graphs_enabled() { return dev_switches().graphs; }
 
-// True when `s` is being captured into a graph (by the caller): the call then
-// launches its kernels into that capture one by one. An error of the query
-// (e.g. the legacy stream while another thread captures) also answers true;
-// the launches then report it.
+}  // namespace
+
 bool stream_capturing(cudaStream_t s) {
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(s, &cs);
@@ -216,8 +214,6 @@ bool stream_capturing(cudaStream_t s) {
   }
   return cs != cudaStreamCaptureStatusNone;
 }
-
-}  // namespace
 
 bool built() { return true; }
 

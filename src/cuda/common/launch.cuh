@@ -26,6 +26,11 @@ namespace sparge {
 namespace cuda {
 
 sparge_status_t cuda_status(cudaError_t e, const char* what);  // cuda/backend.cu
+// True when `s` is being captured into a graph (by the caller): a call then
+// launches its kernels into that capture one by one. An error of the query
+// (e.g. the legacy stream while another thread captures) also answers true;
+// the launches then report it. cuda/backend.cu.
+bool stream_capturing(cudaStream_t s);
 
 // First statement of every kernel launched through launch_pdl.
 __device__ __forceinline__ void pdl_grid_sync() {

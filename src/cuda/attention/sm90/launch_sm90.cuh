@@ -53,13 +53,8 @@ inline void trace_clear(const Sm90Launch& s, cudaStream_t stream) {
 }
 inline void trace_write(const Sm90Launch& s, cudaStream_t stream) {
   const char* path = std::getenv("SPARGE_SM90_TRACE_OUT");
-  if (path == nullptr || s.p.trace == nullptr) return;
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return;
-  }
-  if (cs != cudaStreamCaptureStatusNone || cudaStreamSynchronize(stream) != cudaSuccess) return;
+  if (path == nullptr || s.p.trace == nullptr || stream_capturing(stream)) return;
+  if (cudaStreamSynchronize(stream) != cudaSuccess) return;
   const unsigned n = s.grid < unsigned(kTraceCtas) ? s.grid : unsigned(kTraceCtas);
   std::vector<unsigned long long> h(size_t(n) * kTraceSlots);
   if (cudaMemcpy(h.data(), s.p.trace, h.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess) return;
