@@ -1,7 +1,8 @@
-# libsparge in a container: the library with its CUDA backend (sm_90a), the
-# sparge tool, the test suite (Catch2 v3 from Ubuntu 24.04) and the Python
-# package, on NVIDIA's CUDA 13 development image. Building needs no GPU; running
-# on one needs the NVIDIA Container Toolkit (docker run --gpus ...).
+# libsparge in a container: the library with its CUDA backend (the default
+# architecture list, sm_80 to sm_120: docs/BUILDING.md), the sparge tool, the
+# test suite (Catch2 v3 from Ubuntu 24.04) and the Python package, on NVIDIA's
+# CUDA 13 development image. Building needs no GPU; running on one needs the
+# NVIDIA Container Toolkit (docker run --gpus ...).
 #
 #   docker build -t libsparge .
 #   docker run --rm --gpus all libsparge                            # the main job (scripts/run.sh)

@@ -13,8 +13,10 @@
  *    layout (this one) is rejected with SPARGE_ERR_INVALID_ARGUMENT.
  *  - Nothing crosses the ABI as an exception, abort or exit: every failure is a
  *    status plus a thread-local message (sparge_last_error()).
- *  - sparge_predict_mask and sparge_attention_run allocate nothing, never
- *    synchronize the host and run on the caller's stream (CUDA graph capturable).
+ *  - On CUDA plans sparge_predict_mask and sparge_attention_run allocate no
+ *    buffers (scratch is the caller's workspace; a repeated call's instantiated
+ *    CUDA graph aside), never synchronize the host and run on the caller's
+ *    stream (CUDA graph capturable). CPU plans allocate host scratch.
  */
 #ifndef SPARGE_SPARGE_H_
 #define SPARGE_SPARGE_H_

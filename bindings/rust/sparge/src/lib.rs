@@ -303,7 +303,7 @@ pub struct Problem {
 
 impl Problem {
     /// A problem with the header's defaults for everything but the shape
-    /// (bf16, CPU, int8_fp8, non-causal, default scale and blocks).
+    /// (bf16, CPU, precision auto, non-causal, default scale and blocks).
     pub fn new(batch: i64, heads_q: i64, heads_kv: i64, len_q: i64, len_kv: i64, head_dim: i64) -> Problem {
         Problem {
             batch,
