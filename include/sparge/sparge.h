@@ -255,7 +255,7 @@ typedef struct sparge_kernel_info {
   int32_t sm_version;     /* CUDA: major*10 + minor of the device; CPU: 0          */
   int32_t head_dim;       /* row width the kernel multiplies (96 runs as 128)      */
   int32_t block_q;        /* query rows per CTA (CPU: the mask block rows)         */
-  int32_t keys_per_step;  /* keys per online-softmax step (P is rounded per step)  */
+  int32_t keys_per_step;  /* keys per online-softmax step (P is rounded per step); 0: EXACT */
   int32_t stages;         /* K/V pipeline stages (CPU: 0)                          */
   int32_t threads;        /* threads per CTA (CPU: 0)                              */
   int32_t smem_bytes;     /* dynamic shared memory per CTA (CPU: 0)                */

@@ -142,9 +142,13 @@ SPARGE_API sparge_status_t sparge_plan_kernel_info(sparge_plan_t plan, sparge_ke
     std::snprintf(r.name, sizeof r.name, "cpu_reference");
     r.head_dim = static_cast<int32_t>(p.D);
     r.block_q = p.BQ;
-    // The online-softmax step of the int8 twins (core/kernel_traits.hpp);
-    // the other modes step one mask block at a time.
-    r.keys_per_step = p.quantized() ? blocks_per_step(p.precision, p.D) * 64 : p.BK;
+    // The online-softmax step of the CPU backend (src/cpu/attention.cpp): the
+    // int8 twins step as the GPU kernels (core/kernel_traits.hpp), FP16 over
+    // 64-key tiles whatever block_k is; EXACT has no online softmax (two
+    // float64 passes over the row): 0.
+    r.keys_per_step = p.quantized()                            ? blocks_per_step(p.precision, p.D) * 64
+                      : p.precision == SPARGE_PRECISION_FP16 ? 64
+                                                               : 0;
     *info = r;
     return SPARGE_OK;
   });

@@ -624,6 +624,22 @@ TEST_CASE("sparge_plan_kernel_info: what a CPU plan runs, and its argument check
   CHECK(ki.keys_per_step == 192);  // the int8 twin steps as the GPU kernel at D = 64
   CHECK(ki.sm_version == 0);
   CHECK(ki.threads == 0);
+  {
+    // FP16 steps over 64-key tiles whatever the mask block; EXACT has no online softmax.
+    sparge_problem_t q = p;
+    q.block_k = 128;
+    for (sparge_precision_t prec : {SPARGE_PRECISION_FP16, SPARGE_PRECISION_EXACT}) {
+      q.precision = prec;
+      sparge_plan_t other = nullptr;
+      REQUIRE(sparge_create_plan(&q, &other) == SPARGE_OK);
+      sparge_kernel_info_t oi;
+      std::memset(&oi, 0x7f, sizeof oi);
+      oi.struct_size = sizeof oi;
+      REQUIRE(sparge_plan_kernel_info(other, &oi) == SPARGE_OK);
+      CHECK(oi.keys_per_step == (prec == SPARGE_PRECISION_FP16 ? 64 : 0));
+      sparge_destroy_plan(other);
+    }
+  }
   ki.struct_size = sizeof ki - 4;
   CHECK(sparge_plan_kernel_info(plan, &ki) == SPARGE_ERR_INVALID_ARGUMENT);
   CHECK(std::string(sparge_last_error()).rfind("info->struct_size", 0) == 0);
