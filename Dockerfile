@@ -37,10 +37,10 @@ RUN bash scripts/deps.sh test --check \
  && cmake --install build --prefix /usr/local \
  && ldconfig
 
-# The Python package, with this build's library bundled in it.
-RUN SPARGE_LIBRARY=/opt/libsparge/build/libsparge.so \
-      python3 -m pip install --no-build-isolation --no-deps ./bindings/python \
- && cd / && python3 -c 'import sparge; print("sparge", sparge.library_version(), "cuda", sparge.has_cuda())'
+# The Python package from the source tree, on the installed library (a pip install of
+# ./bindings/python would compile the library a second time through scikit-build-core).
+ENV PYTHONPATH=/opt/libsparge/bindings/python SPARGE_LIBRARY=/usr/local/lib/libsparge.so
+RUN cd / && python3 -c 'import sparge; print("sparge", sparge.library_version(), "cuda", sparge.has_cuda())'
 
 # CPU checks that need no GPU: the tool's smoke tests, the header and export checks.
 RUN ctest --test-dir build --output-on-failure -R '^(cli_|c99_header$|exported_symbols$)'

@@ -1,5 +1,5 @@
-// Instances of the FP16-mode attention kernel for __nv_bfloat16 inputs (head dims 64
-// and 128, causal and not). One file per dtype keeps builds parallel.
+// Instances of the FP16-mode attention kernel for __nv_bfloat16 inputs (head dims 64,
+// 96 on the 128-wide kernel, and 128; causal and not). One file per dtype keeps builds parallel.
 #include "cuda/attention/portable/attn_fp16.cuh"
 
 namespace sparge {

@@ -112,7 +112,8 @@ bool use_persistent(const Problem& pb, int sm_count, int consumers) {
   // many rows of <= 4K keys, where the consumers pipeline across rows (-4 ...
   // -8 %); not at D = 128, where that pipeline runs on a two-stage ring
   // (+2 ... +5 % from 2K keys, level at 1K).
-  // Head dims 64 and 128 only: the measured ones (D = 96 and 256 were not).
+  // Kernel head dims 64 and 128 only, the measured ones (D = 96 runs the
+  // 128-wide kernel and takes its rule; D = 256 was not measured).
   const int64_t tile = 64 * consumers, nQT = (pb.Lq + tile - 1) / tile;
   const int64_t rows = pb.B * pb.Hq * nQT, sms = sm_count, dk = gpu_kernel_head_dim(pb.D);
   if (dk != 64 && dk != 128) return false;
