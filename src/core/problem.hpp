@@ -119,7 +119,7 @@ struct PredictConfig {
 // A prediction that keeps every visible block whatever the scores: TOPK with topk = 1 and no
 // per-head values (the per-head array lies in device memory for CUDA plans). The attention of
 // such a call is dense; the CUDA backend runs it without the prediction, the mask and the index
-// lists (docs/API.md, "Dense calls").
+// lists (docs/API.md, sparge_attention_run, "Dense attention").
 inline bool keeps_every_block(int32_t mode, float topk, const void* topk_per_head) {
   return mode == SPARGE_SELECT_TOPK && topk >= 1.0f && topk_per_head == nullptr;
 }
@@ -141,7 +141,7 @@ SPARGE_HD int64_t visible_key_blocks(const Problem& p, int64_t qb) {
   return last_key / p.BK + 1;
 }
 
-// Dense work (docs/API.md, "Dense attention"): the CUDA kernels of a dense call enumerate their
+// Dense work (docs/API.md, sparge_attention_run, "Dense attention"): the CUDA kernels of a dense call enumerate their
 // rows and blocks themselves, with the GPU's 128 x 64 blocks. dense_row: the mask row
 // ((b * Hq + h) * nQB + qb) of CTA i, in the order the work-order kernel gives rows of equal or
 // causally growing counts: K/V group by group (b, kv head), within a group the query blocks from
