@@ -611,13 +611,19 @@ TEST_CASE("status strings, version, thread-local messages", "[cpu][validation]")
 TEST_CASE("sparge_plan_kernel_info: what a CPU plan runs, and its argument checks", "[cpu][api]") {
   sparge_problem_t p = SPARGE_PROBLEM_INIT;
   p.batch = 1, p.heads_q = 2, p.heads_kv = 1, p.len_q = 100, p.len_kv = 100, p.head_dim = 64;
+  // The info of a fresh plan of `prob` (its fields poisoned first).
+  auto info_of = [](const sparge_problem_t& prob) {
+    sparge_plan_t pl = nullptr;
+    REQUIRE(sparge_create_plan(&prob, &pl) == SPARGE_OK);
+    sparge_kernel_info_t i;
+    std::memset(&i, 0x7f, sizeof i);
+    i.struct_size = sizeof i;
+    REQUIRE(sparge_plan_kernel_info(pl, &i) == SPARGE_OK);
+    sparge_destroy_plan(pl);
+    return i;
+  };
   p.precision = SPARGE_PRECISION_INT8_FP16;
-  sparge_plan_t plan = nullptr;
-  REQUIRE(sparge_create_plan(&p, &plan) == SPARGE_OK);
-  sparge_kernel_info_t ki;
-  std::memset(&ki, 0x7f, sizeof ki);
-  ki.struct_size = sizeof ki;
-  REQUIRE(sparge_plan_kernel_info(plan, &ki) == SPARGE_OK);
+  sparge_kernel_info_t ki = info_of(p);
   CHECK(std::string(ki.family) == "cpu");
   CHECK(ki.head_dim == 64);
   CHECK(ki.block_q == 128);
@@ -628,18 +634,13 @@ TEST_CASE("sparge_plan_kernel_info: what a CPU plan runs, and its argument check
     // FP16 steps over 64-key tiles whatever the mask block; EXACT has no online softmax.
     sparge_problem_t q = p;
     q.block_k = 128;
-    for (sparge_precision_t prec : {SPARGE_PRECISION_FP16, SPARGE_PRECISION_EXACT}) {
-      q.precision = prec;
-      sparge_plan_t other = nullptr;
-      REQUIRE(sparge_create_plan(&q, &other) == SPARGE_OK);
-      sparge_kernel_info_t oi;
-      std::memset(&oi, 0x7f, sizeof oi);
-      oi.struct_size = sizeof oi;
-      REQUIRE(sparge_plan_kernel_info(other, &oi) == SPARGE_OK);
-      CHECK(oi.keys_per_step == (prec == SPARGE_PRECISION_FP16 ? 64 : 0));
-      sparge_destroy_plan(other);
-    }
+    q.precision = SPARGE_PRECISION_FP16;
+    CHECK(info_of(q).keys_per_step == 64);
+    q.precision = SPARGE_PRECISION_EXACT;
+    CHECK(info_of(q).keys_per_step == 0);
   }
+  sparge_plan_t plan = nullptr;
+  REQUIRE(sparge_create_plan(&p, &plan) == SPARGE_OK);
   ki.struct_size = sizeof ki - 4;
   CHECK(sparge_plan_kernel_info(plan, &ki) == SPARGE_ERR_INVALID_ARGUMENT);
   CHECK(std::string(sparge_last_error()).rfind("info->struct_size", 0) == 0);
