@@ -220,3 +220,26 @@ def test_ring_steps_of_every_rank_in_one_process(world, causal, zigzag, rng):
             assert torch.equal(local, mask0[:, :, r * (N // world // 64):(r + 1) * (N // world // 64)])
     assert (out - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
     assert (lse - ref_lse).abs().max().item() <= 2e-6
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_ring_steps_with_grad_inputs(rng):
+    """Queries that require grad (grad mode on): the ring merges into new tensors instead of in place,
+    with the values of the no-grad run, and the result's backward raises (inference only)."""
+    import torch
+
+    import dist_cases
+
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    world, N = 3, 3 * 2 * 64
+    q = torch.randn(1, 4, N, 32, generator=g)
+    k = torch.randn(1, 2, N, 32, generator=g)
+    v = torch.randn(1, 2, N, 32, generator=g)
+    kw = dict(precision="exact", topk=0.4, block_size=(64, 64))
+    with torch.no_grad():
+        want, want_lse, _, _ = dist_cases.simulate_ring(q, k, v, world, True, True, **kw)
+    out, lse, _, _ = dist_cases.simulate_ring(q.clone().requires_grad_(), k, v, world, True, True, **kw)
+    assert torch.equal(out.detach(), want) and torch.equal(lse.detach(), want_lse)
+    assert out.requires_grad
+    with pytest.raises(sparge.UnsupportedError, match="inference only"):
+        out.sum().backward()

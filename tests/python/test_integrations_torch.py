@@ -260,6 +260,32 @@ def test_transformers_layer_compiles_and_model_captures(gen):
         torch.testing.assert_close(out, model(ids, use_cache=False).logits, rtol=0, atol=0)
 
 
+
+def _backward_raises(out):
+    assert out.requires_grad
+    with pytest.raises(sparge.UnsupportedError, match="inference only"):
+        out.float().sum().backward()
+
+
+def test_transformers_attention_with_grad_inputs(gen):
+    # A model evaluated without torch.no_grad(): the values of the no-grad call, as outputs whose
+    # backward raises (not outputs cut from the graph).
+    pytest.importorskip("transformers")
+    from sparge.integrations import transformers as st
+
+    mod = torch.nn.Module()
+    mod.is_causal = True
+    mod.layer_idx = 0
+    mod.sparge_settings = {"topk": 0.5, "precision": "fp16"}
+    q = torch.randn(1, 4, 300, 64)
+    k, v = (torch.randn(1, 2, 300, 64) for _ in range(2))
+    with torch.no_grad():
+        want, _ = st.sparge_attention_forward(mod, q, k, v, None, scaling=0.125)
+    got, _ = st.sparge_attention_forward(mod, q.clone().requires_grad_(), k, v, None, scaling=0.125)
+    assert got.shape == want.shape == (1, 300, 4, 64)
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    _backward_raises(got)
+
 # ---------------------------------------------------------------- diffusers
 def _block(device, dtype, seed):
     pytest.importorskip("diffusers")
@@ -286,6 +312,18 @@ def test_diffusers_block_matches_default_processor(gen, device):
         assert isinstance(blk.attn1.processor, SpargeAttnProcessor)
         got = blk(x, encoder_hidden_states=ctx).float()
     assert rel_l1(got, want) <= (1e-5 if device == "cpu" else 0.02)
+
+
+def test_diffusers_block_with_grad_inputs(gen):
+    blk = _block("cpu", torch.float32, int(gen.integers(2**31)))
+    integ.apply(blk, topk=0.5, precision="fp16")
+    x = torch.randn(2, 300, 256)
+    ctx = torch.randn(2, 77, 96)
+    with torch.no_grad():
+        want = blk(x, encoder_hidden_states=ctx)
+    got = blk(x, encoder_hidden_states=ctx)  # the block's parameters require grad
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    _backward_raises(got)
 
 
 @needs_cuda

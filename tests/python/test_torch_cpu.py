@@ -78,3 +78,89 @@ def test_direct_eager_path_equals_custom_op(rng, monkeypatch):
     b = sparge.attention(q, k, v, topk=[0.3, 0.7], is_causal=True, precision="exact", return_lse=True)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ inputs that require grad
+# The library has no backward. Calls that autograd records must not return outputs silently cut
+# from the graph (a model trained through them would get zero gradients upstream of attention
+# without a word): their outputs carry a node whose backward raises. Forward values are those of
+# the same call under torch.no_grad().
+
+
+def _raises_on_backward(out):
+    assert out.requires_grad and out.grad_fn is not None
+    with pytest.raises(sparge.UnsupportedError, match="inference only"):
+        out.float().sum().backward()
+
+
+def test_grad_inputs_forward_values_and_a_backward_that_raises(rng):
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=200, Lkv=260, D=16))
+    with torch.no_grad():
+        want, want_lse = sparge.attention(q, k, v, topk=0.5, is_causal=True, precision="fp16", return_lse=True)
+    qg = q.clone().requires_grad_()
+    for _ in range(3):  # the first call and the repeated (cached) ones
+        got, lse = sparge.attention(qg, k, v, topk=0.5, is_causal=True, precision="fp16", return_lse=True)
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+        torch.testing.assert_close(lse.detach(), want_lse, rtol=0, atol=0)
+        _raises_on_backward(got)
+    with torch.no_grad():
+        assert not sparge.attention(qg, k, v, precision="fp16").requires_grad
+    with torch.inference_mode():
+        assert not sparge.attention(qg, k, v, precision="fp16").requires_grad
+    vg = v.clone().requires_grad_()  # any input
+    _raises_on_backward(sparge.sdpa(q, k, vg, enable_gqa=True))
+
+
+def test_grad_inputs_sdpa_more_queries_than_keys(rng):
+    # Top-left causal with L > S runs two calls; with grad their rows are joined where autograd sees them.
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=300, Lkv=120, D=16))
+    with torch.no_grad():
+        want = sparge.sdpa(q, k, v, is_causal=True, precision="fp16")
+    got = sparge.sdpa(q.clone().requires_grad_(), k, v, is_causal=True, precision="fp16")
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    _raises_on_backward(got)
+    got3 = sparge.sdpa(q[0].clone().requires_grad_(), k[0], v[0], is_causal=True, precision="fp16")
+    assert got3.shape == q[0].shape
+    _raises_on_backward(got3)
+
+
+def test_grad_inputs_refused_where_no_node_can_be_recorded(rng):
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=16))
+    qg = q.clone().requires_grad_()
+    with pytest.raises(sparge.UnsupportedError, match="out="):
+        sparge.attention(qg, k, v, precision="fp16", out=torch.empty_like(q))
+    with sparge.Plan(1, 2, 128, 16, heads_kv=1, dtype="float32", device="cpu", precision="fp16") as plan:
+        with pytest.raises(sparge.UnsupportedError, match="Plan.run"):
+            plan.run(qg, k, v)
+        plan.run(q, k, v)  # the same call without grad
+    with torch.no_grad():
+        sparge.attention(qg, k, v, precision="fp16", out=torch.empty_like(q))
+
+
+def test_grad_inputs_merge_states(rng):
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=2, Lq=128, Lkv=256, D=16))
+    qg = q.clone().requires_grad_()
+    parts = [sparge.attention(qg, k[:, :, s], v[:, :, s], topk=1.0, precision="fp16", return_lse=True)
+             for s in (slice(0, 128), slice(128, 256))]
+    out, lse = sparge.merge_states([p[0] for p in parts], [p[1] for p in parts])
+    with torch.no_grad():
+        want, want_lse = sparge.merge_states([p[0] for p in parts], [p[1] for p in parts])
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
+    torch.testing.assert_close(lse.detach(), want_lse, rtol=0, atol=0)
+    _raises_on_backward(out)
+    _raises_on_backward(lse)
+    with pytest.raises(sparge.UnsupportedError, match="out="):
+        sparge.merge_states([p[0] for p in parts], [p[1] for p in parts], out=torch.empty_like(q))
+
+
+def test_grad_inputs_under_torch_compile(rng):
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=16))
+
+    def f(q, k, v):
+        return sparge.attention(q * 1.0, k, v, topk=0.5, precision="exact") + 1
+
+    with torch.no_grad():
+        want = f(q, k, v)
+    got = torch.compile(f, fullgraph=True, backend="eager")(q.clone().requires_grad_(), k, v)
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    _raises_on_backward(got)

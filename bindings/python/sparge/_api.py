@@ -373,7 +373,12 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
                 raise C.InvalidArgumentError("%s must be a torch tensor like q, got %s" % (name, type(t).__name__))
         want_kept = return_sparsity and mask is None
         ops = _ops()
-        if plan is not None or (EAGER_DIRECT and ops.eager_direct_ok(q, k, v, mask, out)):
+        grad = ops.needs_grad(q, k, v)
+        if grad and (out is not None or plan is not None):
+            # (torch's own out= functions refuse inputs that require grad the same way)
+            raise C.UnsupportedError("%s with inputs that require grad (grad mode on): %s"
+                                     % ("Plan.run" if plan is not None else "out=", ops.NO_BACKWARD))
+        if plan is not None or (EAGER_DIRECT and not grad and ops.eager_direct_ok(q, k, v, mask, out)):
             # Plain eager call: skip the custom-op dispatch (same library call, less host time).
             if plan is not None and not ops.eager_direct_ok(q, k, v, mask, out, workspace):
                 raise C.UnsupportedError("Plan.run calls the library directly (eager only); under "
@@ -385,6 +390,10 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
         else:
             res, lse, kept = ops.attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
                                                 bool(return_lse), bool(want_kept))
+            if grad and not ops.HAS_CUSTOM_OP:  # (the custom op's outputs carry its raising backward)
+                res = ops.NoBackward.apply(res, q, k, v)
+                if return_lse:
+                    lse = ops.NoBackward.apply(lse, q, k, v)
             if out is not None:
                 if tuple(out.shape) != tuple(res.shape) or out.dtype != res.dtype or out.device != res.device:
                     raise C.InvalidArgumentError("out must have shape %s, dtype %s on %s, got %s, %s on %s"

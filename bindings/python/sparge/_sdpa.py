@@ -22,6 +22,23 @@ def _empty_like(q: Any) -> Any:
     return None  # other frameworks: let the library allocate (no split needed there)
 
 
+def _records_grad(*ts: Any) -> bool:
+    """torch tensors of a call that autograd records (grad mode on, an input requires grad)."""
+    if not _is_torch(ts[0]):
+        return False
+    from . import _torch_ops
+
+    return _torch_ops.needs_grad(*ts)
+
+
+def _join_rows(a: Any, b: Any, nd: int) -> Any:
+    """The query rows of two results [B, H, L_i, D] as one (autograd sees the join)."""
+    import torch  # (already imported: a and b are torch tensors)
+
+    res = torch.cat((a, b), dim=2)
+    return res[:, 0] if nd == 3 else res
+
+
 def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, dropout_p: float = 0.0,
          is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
          topk: PerHead = 0.5, mode: str = "topk", cdf_threshold: Optional[PerHead] = None,
@@ -101,6 +118,10 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
             res = _attention(q4, k4[:, :, :L], v4[:, :, :L], resolved(True), None, o4, False, False, stream)
         else:
             # L > S: queries 0..S-1 causal over all S keys, queries S..L-1 see every key.
+            if o4 is None and _records_grad(q4, k4, v4):  # two outputs joined where autograd sees them
+                return _join_rows(_attention(q4[:, :, :S], k4, v4, resolved(True), None, None, False, False, stream),
+                                  _attention(q4[:, :, S:], k4, v4, resolved(False), None, None, False, False, stream),
+                                  nd)
             res = o4 if o4 is not None else _empty_like(q4)
             if res is None:
                 raise C.UnsupportedError("is_causal with more queries than keys needs torch or numpy inputs "

@@ -165,9 +165,51 @@ def predict_fake(q: Tensor, k: Tensor,
     return mask, kept
 
 
+# ------------------------------------------------------------------ no backward
+# The library computes attention for inference only. A call that autograd records (grad mode on and
+# an input that requires grad: a model evaluated without torch.no_grad) returns outputs whose
+# backward raises, instead of outputs silently cut from the graph (which would train everything
+# upstream of attention on zero gradients without a word).
+NO_BACKWARD = ("libsparge computes attention for inference only: it has no backward. Run the forward under "
+               "torch.no_grad() or torch.inference_mode(), or use torch's scaled_dot_product_attention where "
+               "gradients are needed")
+_grad_enabled = torch.is_grad_enabled
+
+
+def needs_grad(*tensors: Any) -> bool:
+    """True when autograd records a call on these torch tensors (None entries skipped)."""
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return _grad_enabled()
+    return False
+
+
+class NoBackward(torch.autograd.Function):
+    """``NoBackward.apply(res, *inputs)``: ``res`` as the output of a node on ``inputs`` whose
+    backward raises (for calls that bypass the custom op: torch < 2.4, merge_states)."""
+
+    @staticmethod
+    def forward(ctx: Any, res: Tensor, *inputs: Any) -> Tensor:
+        return res.view_as(res)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise C.UnsupportedError(NO_BACKWARD)
+
+
+def _attention_backward(ctx: Any, *grads: Any) -> Any:
+    raise C.UnsupportedError("sparge.attention: " + NO_BACKWARD)
+
+
+def _attention_setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+    pass
+
+
 if HAS_CUSTOM_OP:
     attention_op = torch.library.custom_op("sparge::attention", mutates_args=())(attention_impl)
     attention_op.register_fake(attention_fake)
+    if hasattr(attention_op, "register_autograd"):
+        attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
     predict_op = torch.library.custom_op("sparge::predict_mask", mutates_args=())(predict_impl)
     predict_op.register_fake(predict_fake)
     attention_call = torch.ops.sparge.attention.default
@@ -375,6 +417,8 @@ def fast_attention(q: Any, k: Any, v: Any, r: Any, mask: Any, out: Any, return_l
         return None
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or not r.shared:
         return None
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
+        return None  # the custom op's path: its outputs' backward raises (NO_BACKWARD)
     want_lse = True if return_lse else False
     # The key: the options, the thread, the stream, q's device and the data pointers (cheap to hash);
     # the entry's ``meta``: shapes, strides, dtypes and devices, compared, not hashed. An entry whose
@@ -455,4 +499,5 @@ def fast_attention(q: Any, k: Any, v: Any, r: Any, mask: Any, out: Any, return_l
 
 
 __all__ = ["attention_call", "predict_call", "run_attention", "run_predict", "eager_direct_ok", "fast_attention",
+           "needs_grad", "NoBackward", "NO_BACKWARD",
            "clear_calls", "HAS_CUSTOM_OP", "C"]

@@ -533,6 +533,8 @@ def _ring_step(qh: Any, k: Any, v: Any, rows: Any, acc: List[Any], rank: int, wo
         slot = 0 if i is None else i
         if acc[slot] is None:
             acc[slot] = (o.float(), l)
+        elif o.requires_grad:  # a call autograd records: new tensors (merge_states refuses out= there)
+            acc[slot] = merge_states([acc[slot][0], o], [acc[slot][1], l], dtype="float32")
         else:
             merge_states([acc[slot][0], o], [acc[slot][1], l], out=acc[slot][0], lse_out=acc[slot][1])
 

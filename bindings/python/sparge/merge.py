@@ -60,6 +60,14 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, out: Optional[Any]
     if not 1 <= len(outs) <= C.MERGE_MAX_STATES:
         raise C.InvalidArgumentError("merge_states takes 1..%d states, got %d" % (C.MERGE_MAX_STATES, len(outs)))
     perm = PERM[lay]
+    grad = False
+    if is_torch_tensor(outs[0]):
+        from . import _torch_ops
+
+        grad = _torch_ops.needs_grad(*[t for t in outs + lses if is_torch_tensor(t)])
+        if grad and (out is not None or lse_out is not None):
+            raise C.UnsupportedError("merge_states with out= or lse_out= and inputs that require grad (grad mode "
+                                     "on): " + _torch_ops.NO_BACKWARD)
     views = [as_view(o, "outs[%d]" % i) for i, o in enumerate(outs)]
     lviews = [as_view(x, "lses[%d]" % i) for i, x in enumerate(lses)]
     for i, v in enumerate(views):
@@ -91,4 +99,9 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, out: Optional[Any]
                                    ctypes.c_void_p(_stream(outs[0], stream) or None))
     C.check(st, "sparge_merge_states")
     del views, lviews, oview, lview
+    if grad:  # results autograd records with a backward that raises, not silently cut from the graph
+        inputs = [t for t in outs + lses if t.requires_grad]
+        out = _torch_ops.NoBackward.apply(out, *inputs)
+        if lse_out is not None:
+            lse_out = _torch_ops.NoBackward.apply(lse_out, *inputs)
     return out, lse_out

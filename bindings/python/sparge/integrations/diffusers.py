@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._sdpa import sdpa
+from .._sdpa import _records_grad, sdpa
 from . import check_settings, mask_policy, sdpa_kwargs, settings_for
 
 
@@ -69,9 +69,12 @@ class SpargeAttnProcessor:
             o = o.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim)
         else:
             L = q.shape[2]
-            o4 = q.new_empty((batch, L, attn.heads, head_dim))
-            sdpa(q, k, v, out=o4.transpose(1, 2), **sdpa_kwargs(st))
-            o = o4.view(batch, L, attn.heads * head_dim)
+            if _records_grad(q, k, v):  # no out= there: the result carries a node whose backward raises
+                o = sdpa(q, k, v, **sdpa_kwargs(st)).transpose(1, 2).reshape(batch, L, attn.heads * head_dim)
+            else:
+                o4 = q.new_empty((batch, L, attn.heads, head_dim))
+                sdpa(q, k, v, out=o4.transpose(1, 2), **sdpa_kwargs(st))
+                o = o4.view(batch, L, attn.heads * head_dim)
         o = o.to(q.dtype)
         o = attn.to_out[0](o)
         o = attn.to_out[1](o)

@@ -23,7 +23,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from .. import _capi as C
-from .._sdpa import sdpa
+from .._sdpa import _records_grad, sdpa
 from . import mask_policy, sdpa_kwargs, settings_for
 
 NAME = "sparge"
@@ -62,6 +62,9 @@ def sparge_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if not st.get("enabled", True):
         return _dense(query, key, value, None, causal, scaling), None
     B, H, L, D = query.shape
+    if _records_grad(query, key, value):  # no out= there: the result carries a node whose backward raises
+        o = sdpa(query, key, value, None, 0.0, causal, scaling, key.shape[1] != H, **sdpa_kwargs(st))
+        return o.transpose(1, 2).contiguous(), None
     out = query.new_empty((B, L, H, D))
     sdpa(query, key, value, None, 0.0, causal, scaling, key.shape[1] != H, out=out.transpose(1, 2),
          **sdpa_kwargs(st))
