@@ -180,3 +180,44 @@ def test_plan_for_inputs_and_errors(rng):
         p2.run(q, k, v)
     plan.close()
     plan.close()  # idempotent
+
+
+@pytest.mark.parametrize("shape_q,shape_kv", [((0, 2, 5, 16), (0, 2, 7, 16)), ((1, 2, 0, 16), (1, 2, 7, 16)),
+                                              ((1, 0, 5, 16), (1, 0, 7, 16)), ((1, 2, 5, 16), (1, 2, 0, 16)),
+                                              ((2, 5, 16), (2, 0, 16))])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_empty_problems_give_torch_results(rng, shape_q, shape_kv, is_causal):
+    """No batch, head or query: an empty output; no key: zeros (what torch's SDPA returns), also
+    into out=, whose old values are overwritten."""
+    q, k, v = rand(rng, *shape_q), rand(rng, *shape_kv), rand(rng, *shape_kv)
+    got = sparge.sdpa(q, k, v, is_causal=is_causal)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert not np.any(got)
+    out = np.full(q.shape, np.nan, np.float32)
+    assert sparge.sdpa(q, k, v, is_causal=is_causal, out=out) is out
+    assert not np.any(out)
+    with pytest.raises(sparge.InvalidArgumentError, match="out"):
+        sparge.sdpa(q, k, v, out=np.empty(q.shape[:-1] + (q.shape[-1] + 1,), np.float32))
+
+
+def test_broadcast_and_strided_inputs_as_torch_takes_them(rng):
+    """K and V expanded over their heads (stride 0, multi-query attention without enable_gqa), a
+    broadcast query and a head dim read with a stride: the results of the same values in dense
+    arrays (torch's SDPA takes all of them)."""
+    q, k1, v1 = rand(rng, 2, 4, 70, 16), rand(rng, 2, 1, 90, 16), rand(rng, 2, 1, 90, 16)
+    k, v = np.broadcast_to(k1, (2, 4, 90, 16)), np.broadcast_to(v1, (2, 4, 90, 16))
+    assert k.strides[1] == 0
+    for is_causal in (False, True):
+        want = sparge.sdpa(q, np.ascontiguousarray(k), np.ascontiguousarray(v), is_causal=is_causal,
+                           precision="exact", topk=1.0)
+        got = sparge.sdpa(q, k, v, is_causal=is_causal, precision="exact", topk=1.0)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got, sdpa_ref(q, k, v, is_causal), atol=2e-6, rtol=0)
+    # only k broadcast (v differs per head), a broadcast query row, a strided head dim
+    v4 = rand(rng, 2, 4, 90, 16)
+    qb = np.broadcast_to(rand(rng, 2, 4, 1, 16), (2, 4, 70, 16))
+    wide = rand(rng, 2, 4, 70, 32)
+    for qq, vv in ((q, v4), (qb, v4), (wide[..., ::2], v4)):
+        got = sparge.sdpa(qq, k, vv, precision="exact", topk=1.0)
+        np.testing.assert_array_equal(got, sparge.sdpa(np.ascontiguousarray(qq), np.ascontiguousarray(k),
+                                                       vv, precision="exact", topk=1.0))

@@ -22,6 +22,32 @@ def _empty_like(q: Any) -> Any:
     return None  # other frameworks: let the library allocate (no split needed there)
 
 
+def _has_zero_stride(t: Any) -> bool:
+    st = t.stride() if _is_torch(t) else t.strides
+    return any(s == 0 and n > 1 for s, n in zip(st, t.shape))
+
+
+def _dense_heads(k: Any, v: Any) -> Tuple[Any, Any]:
+    """K and V broadcast over their heads (stride 0: one head expanded, as for multi-query
+    attention) as that one head, which the library's GQA reads for every query head; other
+    zero strides (the library reads no broadcast input) as copies."""
+    if int(k.shape[1]) > 1 and _is_torch(k) and k.stride(1) == 0 and v.stride(1) == 0:
+        k, v = k[:, :1], v[:, :1]
+    elif int(k.shape[1]) > 1 and isinstance(k, np.ndarray) and k.strides[1] == 0 and v.strides[1] == 0:
+        k, v = k[:, :1], v[:, :1]
+    return (_copy(k) if _has_zero_stride(k) else k), (_copy(v) if _has_zero_stride(v) else v)
+
+
+def _copy(t: Any) -> Any:
+    return t.contiguous() if _is_torch(t) else np.ascontiguousarray(t)
+
+
+def _unit_last(t: Any) -> Any:
+    """t with unit stride on the head dim (torch's SDPA takes any strides; the library reads rows)."""
+    st = t.stride()[-1] if _is_torch(t) else t.strides[-1] // t.itemsize
+    return t if st == 1 or int(t.shape[-1]) <= 1 else _copy(t)
+
+
 def _records_grad(*ts: Any) -> bool:
     """torch tensors of a call that autograd records (grad mode on, an input requires grad)."""
     if not _is_torch(ts[0]):
@@ -103,6 +129,21 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     if int(vs[2]) != S:
         raise C.InvalidArgumentError("value has %d keys but key has %d" % (int(vs[2]), S))
     causal = bool(is_causal)
+    if isinstance(q4, np.ndarray) or _is_torch(q4):
+        if min(int(qs[0]), Hq, L) == 0 or S == 0:
+            # torch's results where the library has no problem to run (its problems have at least one
+            # batch, head, query and key): an empty output, or zeros where there is no key.
+            if out is not None:
+                if tuple(out.shape) != tuple(query.shape):
+                    raise C.InvalidArgumentError("out must have shape %s, got %s"
+                                                 % (tuple(query.shape), tuple(out.shape)))
+                out[...] = 0
+                return out
+            return query.new_zeros(query.shape) if _is_torch(query) else np.zeros(query.shape, query.dtype)
+        k4, v4 = _dense_heads(k4, v4)
+        if _has_zero_stride(q4):
+            q4 = _copy(q4)
+        q4, k4, v4 = (_unit_last(t) for t in (q4, k4, v4))
 
     if not causal or L == S or S == 0:
         r = _resolve_memo(topk, causal and S > 0, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
