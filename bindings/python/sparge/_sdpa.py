@@ -22,9 +22,17 @@ def _empty_like(q: Any) -> Any:
     return None  # other frameworks: let the library allocate (no split needed there)
 
 
+def _strides(t: Any) -> Tuple[int, ...]:
+    """Strides of a torch tensor (elements) or a numpy array (bytes): compared with 0 and 1 only."""
+    return t.stride() if _is_torch(t) else t.strides
+
+
+def _unit(t: Any, st: Tuple[int, ...]) -> bool:
+    return st[-1] == (1 if _is_torch(t) else t.itemsize)
+
+
 def _has_zero_stride(t: Any) -> bool:
-    st = t.stride() if _is_torch(t) else t.strides
-    return any(s == 0 and n > 1 for s, n in zip(st, t.shape))
+    return any(s == 0 and n > 1 for s, n in zip(_strides(t), t.shape))
 
 
 def _dense_heads(k: Any, v: Any) -> Tuple[Any, Any]:
@@ -44,8 +52,7 @@ def _copy(t: Any) -> Any:
 
 def _unit_last(t: Any) -> Any:
     """t with unit stride on the head dim (torch's SDPA takes any strides; the library reads rows)."""
-    st = t.stride()[-1] if _is_torch(t) else t.strides[-1] // t.itemsize
-    return t if st == 1 or int(t.shape[-1]) <= 1 else _copy(t)
+    return t if _unit(t, _strides(t)) or int(t.shape[-1]) <= 1 else _copy(t)
 
 
 def _records_grad(*ts: Any) -> bool:
@@ -140,10 +147,15 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
                 out[...] = 0
                 return out
             return query.new_zeros(query.shape) if _is_torch(query) else np.zeros(query.shape, query.dtype)
-        k4, v4 = _dense_heads(k4, v4)
-        if _has_zero_stride(q4):
-            q4 = _copy(q4)
-        q4, k4, v4 = (_unit_last(t) for t in (q4, k4, v4))
+        if _is_torch(q4):
+            sq, sk, sv, one = q4.stride(), k4.stride(), v4.stride(), 1
+        else:
+            sq, sk, sv, one = q4.strides, k4.strides, v4.strides, q4.itemsize
+        if 0 in sq or 0 in sk or 0 in sv or sq[-1] != one or sk[-1] != one or sv[-1] != one:
+            k4, v4 = _dense_heads(k4, v4)
+            if _has_zero_stride(q4):
+                q4 = _copy(q4)
+            q4, k4, v4 = (_unit_last(t) for t in (q4, k4, v4))
 
     if not causal or L == S or S == 0:
         r = _resolve_memo(topk, causal and S > 0, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
