@@ -159,6 +159,25 @@ def test_torch_compile_fullgraph(gen):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+
+def test_grad_inputs_give_a_backward_that_raises(gen):
+    # A model evaluated without torch.no_grad() on the GPU: the no-grad call's values through the
+    # custom op, whose backward raises (inference only), for the default predicted call and sdpa.
+    q, k, v = qkv(gen, B=1, Hq=4, Hkv=2, Lq=1024, Lkv=1024, D=128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = sparge.attention(q, k, v, is_causal=True)
+        want_sdpa = sparge.sdpa(q, k, v, is_causal=True, enable_gqa=True, topk=1.0)
+    qg = q.clone().requires_grad_()
+    for _ in range(2):
+        got = sparge.attention(qg, k, v, is_causal=True)
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+        got_sdpa = sparge.sdpa(qg, k, v, is_causal=True, enable_gqa=True, topk=1.0)
+        torch.testing.assert_close(got_sdpa.detach(), want_sdpa, rtol=0, atol=0)
+        for out in (got, got_sdpa):
+            assert out.requires_grad
+            with pytest.raises(sparge.UnsupportedError, match="inference only"):
+                out.float().sum().backward()
+
 def test_cuda_graph_capture_replay(gen):
     q, k, v = qkv(gen, B=1, Hq=4, Hkv=4, Lq=1024, Lkv=1024, D=128, dtype=torch.float16)
     sq, sk, sv = q.clone(), k.clone(), v.clone()
