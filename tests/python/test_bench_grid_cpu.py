@@ -336,3 +336,30 @@ def test_sigterm_handler_raises_once():
         assert not issubclass(G.Interrupted, Exception)
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_target_counts():
+    """The summary's counts of the design targets: dense x cuDNN >= 1.0 on every shape, >= 1.5 at
+    N >= 8K, sparse time <= (d + 0.05) x own dense; failed checks and missing anchors count nowhere."""
+
+    def meas(key, ms, density=1.0, check="ok cos 0.9999"):
+        return G.Meas(key, key, None, ms=ms, density=density, check=check)
+
+    def shape(n, sparge_ms, cudnn_ms, sparse=()):
+        r = G.ShapeResult(G.Shape(1, 32, n, 128, False))
+        r.meas = {"sparge": meas("sparge", sparge_ms), "cudnn": meas("cudnn", cudnn_ms)}
+        for d, ms in sparse:
+            r.meas["d%g" % d] = meas("d%g" % d, ms, density=d)
+        return r
+
+    timed = [shape(1024, 1.0, 0.9),                                 # 0.90x
+             shape(1024, 1.0, 1.2),                                 # 1.20x
+             shape(8192, 1.0, 1.6, [(0.5, 0.54), (0.1, 0.2)]),      # 1.60x; 0.54 ok, 0.20 > 0.15
+             shape(32768, 1.0, 1.4, [(0.2, 0.25)])]                 # 1.40x; 0.25 <= 0.25
+    failed = shape(8192, 1.0, 3.0)
+    failed.meas["sparge"].check = "FAIL cos 0.5"
+    assert G.target_counts(timed + [failed]) == ">= 1.0x on 3 of 4, >= 1.5x at N >= 8K on 1 of 2, " \
+                                                "sparse <= (d + 0.05)x dense on 2 of 3"
+    assert G.target_counts(timed[:2]) == ">= 1.0x on 1 of 2, >= 1.5x at N >= 8K on 0 of 0"
+    line, _, _ = G.summary_line(timed, 1.0)
+    assert line.startswith("grid: 4 shapes timed") and "x cuDNN median" in line and ">= 1.5x at N >= 8K on 1 of 2" in line

@@ -874,6 +874,23 @@ def md_report(results: List[ShapeResult], header: str, footer: List[str]) -> str
     return "\n".join(lines) + "\n"
 
 
+def target_counts(timed: List[ShapeResult]) -> str:
+    """The design targets the grid measures, as counts of the shapes that meet them: dense x cuDNN
+    >= 1.0 (every shape) and >= 1.5 (N >= 8K), sparse time <= (d + 0.05) x own dense (--sparse)."""
+    dense = [(r.shape.N, ratio(r.get("cudnn"), r.get("sparge"))) for r in timed]
+    dense = [(n, x) for n, x in dense if not math.isnan(x)]
+    long = [x for n, x in dense if n >= 8192]
+    text = ">= 1.0x on %d of %d, >= 1.5x at N >= 8K on %d of %d" % (
+        sum(1 for _, x in dense if x >= 1.0), len(dense), sum(1 for x in long if x >= 1.5), len(long))
+    sparse = [(m.density, ratio(m, r.get("sparge"))) for r in timed for k, m in r.meas.items()
+              if k.startswith("d") and k != "empty"]
+    sparse = [(d, x) for d, x in sparse if not math.isnan(x) and not math.isnan(d)]
+    if sparse:
+        text += ", sparse <= (d + 0.05)x dense on %d of %d" % (sum(1 for d, x in sparse if x <= d + 0.05),
+                                                              len(sparse))
+    return text
+
+
 def summary_line(results: List[ShapeResult], wall: float) -> Tuple[str, int, int]:
     timed = [r for r in results if r.meas and r.status not in ("skipped", "interrupted")]
     skipped = sum(1 for r in results if r.status in ("skipped", "interrupted"))
@@ -884,6 +901,7 @@ def summary_line(results: List[ShapeResult], wall: float) -> Tuple[str, int, int
     tail = ""
     if rs:
         tail = "; x cuDNN median %.2f, min %.2f, max %.2f" % (statistics.median(rs), min(rs), max(rs))
+        tail += "; " + target_counts(timed)
     line = "grid: %d shapes timed, %d skipped, %d with errors, %d check failures%s; %.0f s" % (
         len(timed), skipped, errors, fails, tail, wall)
     return line, fails, sp_err
