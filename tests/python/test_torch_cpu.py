@@ -124,15 +124,20 @@ def test_grad_inputs_sdpa_more_queries_than_keys(rng):
     _raises_on_backward(got3)
 
 
-def test_grad_inputs_refused_where_no_node_can_be_recorded(rng):
+def test_grad_inputs_out_refused_and_plan_run(rng):
     q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=16))
     qg = q.clone().requires_grad_()
     with pytest.raises(sparge.UnsupportedError, match="out="):
         sparge.attention(qg, k, v, precision="fp16", out=torch.empty_like(q))
     with sparge.Plan(1, 2, 128, 16, heads_kv=1, dtype="float32", device="cpu", precision="fp16") as plan:
-        with pytest.raises(sparge.UnsupportedError, match="Plan.run"):
-            plan.run(qg, k, v)
-        plan.run(q, k, v)  # the same call without grad
+        got, lse = plan.run(qg, k, v, return_lse=True)  # the library directly, then a node that raises
+        want, want_lse = plan.run(q, k, v, return_lse=True)
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+        torch.testing.assert_close(lse.detach(), want_lse, rtol=0, atol=0)
+        _raises_on_backward(got)
+        _raises_on_backward(lse)
+        with pytest.raises(sparge.UnsupportedError, match="out="):
+            plan.run(qg, k, v, out=torch.empty_like(q))
     with torch.no_grad():
         sparge.attention(qg, k, v, precision="fp16", out=torch.empty_like(q))
 

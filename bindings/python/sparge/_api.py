@@ -374,10 +374,9 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
         want_kept = return_sparsity and mask is None
         ops = _ops()
         grad = ops.needs_grad(q, k, v)
-        if grad and (out is not None or plan is not None):
+        if grad and out is not None:
             # (torch's own out= functions refuse inputs that require grad the same way)
-            raise C.UnsupportedError("%s with inputs that require grad (grad mode on): %s"
-                                     % ("Plan.run" if plan is not None else "out=", ops.NO_BACKWARD))
+            raise C.UnsupportedError("out= with inputs that require grad (grad mode on): " + ops.NO_BACKWARD)
         if plan is not None or (EAGER_DIRECT and not grad and ops.eager_direct_ok(q, k, v, mask, out)):
             # Plain eager call: skip the custom-op dispatch (same library call, less host time).
             if plan is not None and not ops.eager_direct_ok(q, k, v, mask, out, workspace):
@@ -387,6 +386,10 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
             res, lse, kept = ops.run_attention(q, k, v, mask, (r.topk_h, r.cdf_h, r.sim_h), r.opts,
                                                bool(return_lse), bool(want_kept), out=out, plan=plan,
                                                workspace=wv)
+            if grad:  # Plan.run: the library's results as outputs of a node whose backward raises
+                res = ops.NoBackward.apply(res, q, k, v)
+                if return_lse:
+                    lse = ops.NoBackward.apply(lse, q, k, v)
         else:
             res, lse, kept = ops.attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
                                                 bool(return_lse), bool(want_kept))
