@@ -55,6 +55,15 @@ def _unit_last(t: Any) -> Any:
     return t if _unit(t, _strides(t)) or int(t.shape[-1]) <= 1 else _copy(t)
 
 
+def _broadcast_or_strided(q: Any, k: Any, v: Any) -> bool:
+    """A zero stride or a head dim without unit stride in q, k or v (torch or numpy)."""
+    if _is_torch(q):
+        sq, sk, sv, one = q.stride(), k.stride(), v.stride(), 1
+    else:
+        sq, sk, sv, one = q.strides, k.strides, v.strides, q.itemsize
+    return 0 in sq or 0 in sk or 0 in sv or sq[-1] != one or sk[-1] != one or sv[-1] != one
+
+
 def _records_grad(*ts: Any) -> bool:
     """torch tensors of a call that autograd records (grad mode on, an input requires grad)."""
     if not _is_torch(ts[0]):
@@ -136,8 +145,9 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     if int(vs[2]) != S:
         raise C.InvalidArgumentError("value has %d keys but key has %d" % (int(vs[2]), S))
     causal = bool(is_causal)
-    if isinstance(q4, np.ndarray) or _is_torch(q4):
-        if min(int(qs[0]), Hq, L) == 0 or S == 0:
+    tq = _is_torch(q4)
+    if tq or isinstance(q4, np.ndarray):
+        if not (L and S and Hq and qs[0]):
             # torch's results where the library has no problem to run (its problems have at least one
             # batch, head, query and key): an empty output, or zeros where there is no key.
             if out is not None:
@@ -147,11 +157,9 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
                 out[...] = 0
                 return out
             return query.new_zeros(query.shape) if _is_torch(query) else np.zeros(query.shape, query.dtype)
-        if _is_torch(q4):
-            sq, sk, sv, one = q4.stride(), k4.stride(), v4.stride(), 1
-        else:
-            sq, sk, sv, one = q4.strides, k4.strides, v4.strides, q4.itemsize
-        if 0 in sq or 0 in sk or 0 in sv or sq[-1] != one or sk[-1] != one or sv[-1] != one:
+        if tq and q4.is_contiguous() and k4.is_contiguous() and v4.is_contiguous():
+            pass  # (the common case: no broadcast dimension, unit stride on E)
+        elif _broadcast_or_strided(q4, k4, v4):
             k4, v4 = _dense_heads(k4, v4)
             if _has_zero_stride(q4):
                 q4 = _copy(q4)
