@@ -190,9 +190,11 @@ def judge(case, shards, world, device="cpu"):
     return ok, line
 
 
-def simulate_ring(q, k, v, world, causal, zigzag, **kw):
+def simulate_ring(q, k, v, world, causal, zigzag, grad_rank=None, grad_kv=None, **kw):
     """The ring's per-rank computation (sparge.distributed._ring_step) for every rank in one process,
     each step fed the K/V shard it would receive; the global mask from one process's prediction.
+    grad_kv: K and V (same values) that rank grad_rank uses for its own shard only, as a rank whose
+    K and V require grad receives the other shards as plain tensors.
     Returns (out, lse, mask) gathered in natural order (HND), for comparison with one device."""
     import torch
 
@@ -214,8 +216,10 @@ def simulate_ring(q, k, v, world, causal, zigzag, **kw):
         acc = [None] * per
         for t in range(world):
             src = (r - t) % world
-            sd._ring_step(qh, shards[src][1], shards[src][2], rows, acc, r, world, t, zigzag, causal, c, c // bq,
-                          c // bk, akw)
+            ks, vs = shards[src][1], shards[src][2]
+            if grad_kv is not None and r == grad_rank and src == r:
+                ks, vs = (sd.shard_sequence(x, r, world, dim=2, zigzag=zigzag) for x in grad_kv)
+            sd._ring_step(qh, ks, vs, rows, acc, r, world, t, zigzag, causal, c, c // bq, c // bk, akw)
         out, lse, rows = sd._ring_finish(acc, q.dtype, "HND", causal, rows, True, True)
         outs.append(out)
         lses.append(lse)

@@ -243,3 +243,9 @@ def test_ring_steps_with_grad_inputs(rng):
     assert out.requires_grad
     with pytest.raises(sparge.UnsupportedError, match="inference only"):
         out.sum().backward()
+    # K and V that require grad on one rank: its own shard's step records, the shards it receives
+    # (plain tensors off the wire) do not; the merges of the two kinds must not write in place.
+    kg, vg = k.clone().requires_grad_(), v.clone().requires_grad_()
+    out, lse, _, _ = dist_cases.simulate_ring(q, k, v, world, True, True, grad_rank=1, grad_kv=(kg, vg), **kw)
+    assert torch.equal(out.detach(), want) and torch.equal(lse.detach(), want_lse)
+    assert out.requires_grad

@@ -221,3 +221,17 @@ def test_broadcast_and_strided_inputs_as_torch_takes_them(rng):
         got = sparge.sdpa(qq, k, vv, precision="exact", topk=1.0)
         np.testing.assert_array_equal(got, sparge.sdpa(np.ascontiguousarray(qq), np.ascontiguousarray(k),
                                                        vv, precision="exact", topk=1.0))
+
+
+def test_head_dim_of_one_and_head_counts_that_do_not_divide(rng):
+    # E = 1 read with any stride (the stride of an extent-1 dim means nothing); K/V expanded over a
+    # head count that does not divide the query heads is refused, as torch refuses it.
+    q = rand(rng, 1, 2, 50, 1)
+    qs = np.lib.stride_tricks.as_strided(q, q.shape, q.strides[:-1] + (q.itemsize * 7,))
+    k, v = rand(rng, 1, 2, 60, 1), rand(rng, 1, 2, 60, 1)
+    np.testing.assert_array_equal(sparge.sdpa(qs, k, v, precision="exact", topk=1.0),
+                                  sparge.sdpa(q, k, v, precision="exact", topk=1.0))
+    k1, v1 = rand(rng, 1, 1, 7, 16), rand(rng, 1, 1, 7, 16)
+    with pytest.raises(sparge.InvalidArgumentError, match="heads"):
+        sparge.sdpa(rand(rng, 1, 4, 5, 16), np.broadcast_to(k1, (1, 3, 7, 16)), np.broadcast_to(v1, (1, 3, 7, 16)),
+                    enable_gqa=True)

@@ -169,3 +169,47 @@ def test_grad_inputs_under_torch_compile(rng):
     got = torch.compile(f, fullgraph=True, backend="eager")(q.clone().requires_grad_(), k, v)
     torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
     _raises_on_backward(got)
+
+
+def test_grad_inputs_under_the_default_compile_backends(rng):
+    # AOTAutograd (aot_eager, inductor) traces the backward at the first call with inputs that require
+    # grad: the trace must succeed and the backward raise only when it runs.
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=16))
+
+    def f(q, k, v):
+        return sparge.sdpa(q, k, v, enable_gqa=True, precision="exact", topk=0.5) * 2
+
+    with torch.no_grad():
+        want = f(q, k, v)
+    got = torch.compile(f, backend="aot_eager")(q.clone().requires_grad_(), k, v)
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    _raises_on_backward(got)
+
+
+def test_grad_outputs_allow_in_place_ops(rng):
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=16))
+    qg = q.clone().requires_grad_()
+    with sparge.Plan(1, 2, 128, 16, heads_kv=1, dtype="float32", device="cpu", precision="fp16") as plan:
+        o = plan.run(qg, k, v)
+        o.mul_(2)  # as on the custom op's outputs and torch's
+        torch.testing.assert_close(o.detach(), 2 * plan.run(q, k, v), rtol=0, atol=0)
+    a = sparge.attention(qg, k, v, precision="fp16", return_lse=True)
+    m, lse = sparge.merge_states([a[0]], [a[1]])
+    m.add_(1)
+    _raises_on_backward(m)
+
+
+def test_grad_inputs_empty_problem_and_parameter_inputs(rng):
+    qg = torch.randn(1, 2, 5, 16, requires_grad=True)
+    z = sparge.sdpa(qg, torch.randn(1, 2, 0, 16), torch.randn(1, 2, 0, 16))
+    assert not z.detach().any()
+    _raises_on_backward(z)
+    with pytest.raises(sparge.UnsupportedError, match="out="):
+        sparge.sdpa(qg, torch.randn(1, 2, 0, 16), torch.randn(1, 2, 0, 16), out=torch.empty(1, 2, 5, 16))
+    # nn.Parameter inputs take the direct path (no grad) and Plan.run
+    q, k, v = (torch.nn.Parameter(torch.from_numpy(x)) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128,
+                                                                          D=16))
+    with torch.no_grad(), sparge.Plan(1, 2, 128, 16, heads_kv=1, dtype="float32", device="cpu",
+                                      precision="fp16") as plan:
+        torch.testing.assert_close(plan.run(q, k, v), sparge.attention(q.data, k.data, v.data, precision="fp16"),
+                                   rtol=0, atol=0)

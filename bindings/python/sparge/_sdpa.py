@@ -52,7 +52,14 @@ def _copy(t: Any) -> Any:
 
 def _unit_last(t: Any) -> Any:
     """t with unit stride on the head dim (torch's SDPA takes any strides; the library reads rows)."""
-    return t if _unit(t, _strides(t)) or int(t.shape[-1]) <= 1 else _copy(t)
+    st = _strides(t)
+    if _unit(t, st):
+        return t
+    if int(t.shape[-1]) == 1:  # (the library wants stride 1 there too; an extent-1 dim's stride is free)
+        if _is_torch(t):
+            return t.as_strided(t.shape, st[:-1] + (1,))
+        return np.lib.stride_tricks.as_strided(t, t.shape, st[:-1] + (t.itemsize,), writeable=False)
+    return _copy(t)
 
 
 def _broadcast_or_strided(q: Any, k: Any, v: Any) -> bool:
@@ -150,16 +157,31 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
         if not (L and S and Hq and qs[0]):
             # torch's results where the library has no problem to run (its problems have at least one
             # batch, head, query and key): an empty output, or zeros where there is no key.
+            grad = _records_grad(query, key, value)
             if out is not None:
-                if tuple(out.shape) != tuple(query.shape):
-                    raise C.InvalidArgumentError("out must have shape %s, got %s"
-                                                 % (tuple(query.shape), tuple(out.shape)))
+                if grad:
+                    from ._torch_ops import NO_BACKWARD
+                    raise C.UnsupportedError("out= with inputs that require grad (grad mode on): " + NO_BACKWARD)
+                if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype:
+                    raise C.InvalidArgumentError("out must have shape %s and dtype %s, got %s, %s"
+                                                 % (tuple(query.shape), query.dtype, tuple(out.shape), out.dtype))
                 out[...] = 0
                 return out
-            return query.new_zeros(query.shape) if _is_torch(query) else np.zeros(query.shape, query.dtype)
-        if tq and q4.is_contiguous() and k4.is_contiguous() and v4.is_contiguous():
-            pass  # (the common case: no broadcast dimension, unit stride on E)
+            if not tq:
+                return np.zeros(query.shape, query.dtype)
+            res = query.new_zeros(query.shape)
+            if grad:  # as for every call autograd records: a node whose backward raises, not a cut graph
+                from ._torch_ops import NoBackward
+                res = NoBackward.apply(res, *[t for t in (query, key, value) if t.requires_grad])
+            return res
+        if tq and E > 1 and q4.is_contiguous() and k4.is_contiguous() and v4.is_contiguous():
+            pass  # (the common case: no broadcast dimension, unit stride on E; torch's is_contiguous
+            #      ignores the stride of an extent-1 dim, hence E > 1)
         elif _broadcast_or_strided(q4, k4, v4):
+            if Hq % Hkv:  # (K/V expanded over heads run as one head, which would hide this)
+                raise C.InvalidArgumentError("query has %d heads but key has %d: the key/value heads must divide "
+                                             "the query heads (as in torch's scaled_dot_product_attention)"
+                                             % (Hq, Hkv))
             k4, v4 = _dense_heads(k4, v4)
             if _has_zero_stride(q4):
                 q4 = _copy(q4)

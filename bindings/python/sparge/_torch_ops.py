@@ -190,24 +190,41 @@ class NoBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, res: Tensor, *inputs: Any) -> Tensor:
-        return res.view_as(res)
+        return res.detach()  # (not a view: in-place ops on the result stay allowed, as on the custom op's)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         raise C.UnsupportedError(NO_BACKWARD)
 
 
-def _attention_backward(ctx: Any, *grads: Any) -> Any:
+def no_backward_impl(grad: Tensor, q_shape: List[int], k_shape: List[int], v_shape: List[int]
+                     ) -> Tuple[Tensor, Tensor, Tensor]:
     raise C.UnsupportedError("sparge.attention: " + NO_BACKWARD)
 
 
+def no_backward_fake(grad: Tensor, q_shape: List[int], k_shape: List[int], v_shape: List[int]
+                     ) -> Tuple[Tensor, Tensor, Tensor]:
+    return grad.new_empty(q_shape), grad.new_empty(k_shape), grad.new_empty(v_shape)
+
+
+def _attention_backward(ctx: Any, *grads: Any) -> Any:
+    # Raises when the backward runs, not when torch.compile's AOTAutograd traces it (the default
+    # backends trace the joint graph at the first call with inputs that require grad).
+    gq, gk, gv = no_backward_call(grads[0], *ctx.qkv_shapes)
+    return (gq, gk, gv) + (None,) * (ctx.n_inputs - 3)
+
+
 def _attention_setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-    pass
+    ctx.qkv_shapes = tuple(list(t.shape) for t in inputs[:3])  # (shapes only: no input kept alive)
+    ctx.n_inputs = len(inputs)
 
 
 if HAS_CUSTOM_OP:
     attention_op = torch.library.custom_op("sparge::attention", mutates_args=())(attention_impl)
     attention_op.register_fake(attention_fake)
+    no_backward_op = torch.library.custom_op("sparge::no_backward", mutates_args=())(no_backward_impl)
+    no_backward_op.register_fake(no_backward_fake)
+    no_backward_call = torch.ops.sparge.no_backward.default
     if hasattr(attention_op, "register_autograd"):
         attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
     predict_op = torch.library.custom_op("sparge::predict_mask", mutates_args=())(predict_impl)
@@ -224,6 +241,9 @@ _len_modes = getattr(torch._C, "_len_torch_dispatch_mode", None) or getattr(torc
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 
 
+_Parameter = torch.nn.Parameter  # (a plain tensor to dispatch: no __torch_function__ of its own)
+
+
 def eager_direct_ok(*tensors: Any) -> bool:
     """True when calling the library directly is indistinguishable from the custom op: plain
     tensors, not tracing or compiling, no dispatch mode (FakeTensor, functionalization) active."""
@@ -232,7 +252,7 @@ def eager_direct_ok(*tensors: Any) -> bool:
     if _len_modes is not None and _len_modes():
         return False
     for t in tensors:
-        if t is not None and type(t) is not Tensor:
+        if t is not None and type(t) is not Tensor and type(t) is not _Parameter:
             return False
     return True
 

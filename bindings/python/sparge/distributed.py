@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _capi as C
 from ._api import attention, predict_mask
+from ._sdpa import _records_grad
 from .merge import merge_states
 
 __all__ = [
@@ -533,7 +534,7 @@ def _ring_step(qh: Any, k: Any, v: Any, rows: Any, acc: List[Any], rank: int, wo
         slot = 0 if i is None else i
         if acc[slot] is None:
             acc[slot] = (o.float(), l)
-        elif o.requires_grad:  # a call autograd records: new tensors (merge_states refuses out= there)
+        elif _records_grad(acc[slot][0], acc[slot][1], o, l):  # new tensors (merge_states refuses out= there)
             acc[slot] = merge_states([acc[slot][0], o], [acc[slot][1], l], dtype="float32")
         else:
             merge_states([acc[slot][0], o], [acc[slot][1], l], out=acc[slot][0], lse_out=acc[slot][1])
