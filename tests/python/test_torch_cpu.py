@@ -213,3 +213,22 @@ def test_grad_inputs_empty_problem_and_parameter_inputs(rng):
                                       precision="fp16") as plan:
         torch.testing.assert_close(plan.run(q, k, v), sparge.attention(q.data, k.data, v.data, precision="fp16"),
                                    rtol=0, atol=0)
+
+
+def test_out_that_requires_grad_is_refused(rng):
+    # torch's out= functions refuse an out that requires grad (grad mode on); so do these.
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=16))
+    out = torch.empty_like(q).requires_grad_()
+    for _ in range(2):  # also once a call with these arguments but a plain out has been seen
+        with pytest.raises(sparge.UnsupportedError, match="out="):
+            sparge.attention(q, k, v, precision="fp16", out=out)
+        with torch.no_grad():
+            sparge.attention(q, k, v, precision="fp16", out=out)
+    with pytest.raises(sparge.UnsupportedError, match="out="):
+        sparge.sdpa(q, k[:, :, :0], v[:, :, :0], enable_gqa=True, out=out)
+    o, lse = sparge.attention(q, k, v, precision="fp16", return_lse=True)
+    with pytest.raises(sparge.UnsupportedError, match="out="):
+        sparge.merge_states([o], [lse], out=out)
+    with torch.no_grad():
+        sparge.attention(q, k, v, precision="fp16", out=out)
+        torch.testing.assert_close(out, o, rtol=0, atol=0)

@@ -374,9 +374,9 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
         want_kept = return_sparsity and mask is None
         ops = _ops()
         grad = ops.needs_grad(q, k, v)
-        if grad and out is not None:
-            # (torch's own out= functions refuse inputs that require grad the same way)
-            raise C.UnsupportedError("out= with inputs that require grad (grad mode on): " + ops.NO_BACKWARD)
+        if out is not None and (grad or ops.needs_grad(out)):
+            # (torch's own out= functions refuse arguments that require grad the same way)
+            raise C.UnsupportedError("out= with arguments that require grad (grad mode on): " + ops.NO_BACKWARD)
         if plan is not None or (EAGER_DIRECT and not grad and ops.eager_direct_ok(q, k, v, mask, out)):
             # Plain eager call: skip the custom-op dispatch (same library call, less host time).
             if plan is not None and not ops.eager_direct_ok(q, k, v, mask, out, workspace):

@@ -159,9 +159,9 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
             # batch, head, query and key): an empty output, or zeros where there is no key.
             grad = _records_grad(query, key, value)
             if out is not None:
-                if grad:
+                if grad or _records_grad(out):
                     from ._torch_ops import NO_BACKWARD
-                    raise C.UnsupportedError("out= with inputs that require grad (grad mode on): " + NO_BACKWARD)
+                    raise C.UnsupportedError("out= with arguments that require grad (grad mode on): " + NO_BACKWARD)
                 if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype:
                     raise C.InvalidArgumentError("out must have shape %s and dtype %s, got %s, %s"
                                                  % (tuple(query.shape), query.dtype, tuple(out.shape), out.dtype))

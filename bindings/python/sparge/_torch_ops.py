@@ -468,7 +468,7 @@ def fast_attention(q: Any, k: Any, v: Any, r: Any, mask: Any, out: Any, return_l
             meta = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, k.device,
                     v.shape, v.stride(), v.dtype, v.device, mask.shape, mask.stride(), md, mask.device)
         if out is not None:
-            if type(out) is not Tensor:
+            if type(out) is not Tensor or out.requires_grad:  # (the general path refuses the latter)
                 return None
             key = (key, out.data_ptr())
             meta = (meta, out.shape, out.stride(), out.dtype, out.device)

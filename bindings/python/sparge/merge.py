@@ -65,8 +65,9 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, out: Optional[Any]
         from . import _torch_ops
 
         grad = _torch_ops.needs_grad(*[t for t in outs + lses if is_torch_tensor(t)])
-        if grad and (out is not None or lse_out is not None):
-            raise C.UnsupportedError("merge_states with out= or lse_out= and inputs that require grad (grad mode "
+        if (out is not None or lse_out is not None) and (
+                grad or _torch_ops.needs_grad(*[t for t in (out, lse_out) if is_torch_tensor(t)])):
+            raise C.UnsupportedError("merge_states with out= or lse_out= and arguments that require grad (grad mode "
                                      "on): " + _torch_ops.NO_BACKWARD)
     views = [as_view(o, "outs[%d]" % i) for i, o in enumerate(outs)]
     lviews = [as_view(x, "lses[%d]" % i) for i, x in enumerate(lses)]
