@@ -107,3 +107,15 @@ def cuda_generator(torch, rng):
     g = torch.Generator(device="cuda")
     g.manual_seed(int(rng.integers(2**62)))
     return g
+
+
+def assert_backward_raises(out):
+    """out (a torch result of a call with inputs that require grad) is recorded by autograd, and its
+    backward raises: the library is inference only."""
+    import pytest
+
+    import sparge
+
+    assert out.requires_grad and out.grad_fn is not None
+    with pytest.raises(sparge.UnsupportedError, match="inference only"):
+        out.float().sum().backward()

@@ -13,6 +13,7 @@ F = torch.nn.functional
 
 import sparge  # noqa: E402
 import sparge.integrations as integ  # noqa: E402
+from helpers import assert_backward_raises  # noqa: E402
 
 try:
     LIB_CUDA = sparge.has_cuda()
@@ -261,12 +262,6 @@ def test_transformers_layer_compiles_and_model_captures(gen):
 
 
 
-def _backward_raises(out):
-    assert out.requires_grad
-    with pytest.raises(sparge.UnsupportedError, match="inference only"):
-        out.float().sum().backward()
-
-
 def test_transformers_attention_with_grad_inputs(gen):
     # A model evaluated without torch.no_grad(): the values of the no-grad call, as outputs whose
     # backward raises (not outputs cut from the graph).
@@ -284,7 +279,7 @@ def test_transformers_attention_with_grad_inputs(gen):
     got, _ = st.sparge_attention_forward(mod, q.clone().requires_grad_(), k, v, None, scaling=0.125)
     assert got.shape == want.shape == (1, 300, 4, 64)
     torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
-    _backward_raises(got)
+    assert_backward_raises(got)
 
 # ---------------------------------------------------------------- diffusers
 def _block(device, dtype, seed):
@@ -323,7 +318,7 @@ def test_diffusers_block_with_grad_inputs(gen):
         want = blk(x, encoder_hidden_states=ctx)
     got = blk(x, encoder_hidden_states=ctx)  # the block's parameters require grad
     torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
-    _backward_raises(got)
+    assert_backward_raises(got)
 
 
 @needs_cuda

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import sparge  # noqa: E402
-from helpers import make_qkv  # noqa: E402
+from helpers import assert_backward_raises, make_qkv  # noqa: E402
 
 
 def test_torch_cpu_equals_numpy(rng):
@@ -87,12 +87,6 @@ def test_direct_eager_path_equals_custom_op(rng, monkeypatch):
 # the same call under torch.no_grad().
 
 
-def _raises_on_backward(out):
-    assert out.requires_grad and out.grad_fn is not None
-    with pytest.raises(sparge.UnsupportedError, match="inference only"):
-        out.float().sum().backward()
-
-
 def test_grad_inputs_forward_values_and_a_backward_that_raises(rng):
     q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=200, Lkv=260, D=16))
     with torch.no_grad():
@@ -102,13 +96,13 @@ def test_grad_inputs_forward_values_and_a_backward_that_raises(rng):
         got, lse = sparge.attention(qg, k, v, topk=0.5, is_causal=True, precision="fp16", return_lse=True)
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
         torch.testing.assert_close(lse.detach(), want_lse, rtol=0, atol=0)
-        _raises_on_backward(got)
+        assert_backward_raises(got)
     with torch.no_grad():
         assert not sparge.attention(qg, k, v, precision="fp16").requires_grad
     with torch.inference_mode():
         assert not sparge.attention(qg, k, v, precision="fp16").requires_grad
     vg = v.clone().requires_grad_()  # any input
-    _raises_on_backward(sparge.sdpa(q, k, vg, enable_gqa=True))
+    assert_backward_raises(sparge.sdpa(q, k, vg, enable_gqa=True))
 
 
 def test_grad_inputs_sdpa_more_queries_than_keys(rng):
@@ -118,10 +112,10 @@ def test_grad_inputs_sdpa_more_queries_than_keys(rng):
         want = sparge.sdpa(q, k, v, is_causal=True, precision="fp16")
     got = sparge.sdpa(q.clone().requires_grad_(), k, v, is_causal=True, precision="fp16")
     torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
-    _raises_on_backward(got)
+    assert_backward_raises(got)
     got3 = sparge.sdpa(q[0].clone().requires_grad_(), k[0], v[0], is_causal=True, precision="fp16")
     assert got3.shape == q[0].shape
-    _raises_on_backward(got3)
+    assert_backward_raises(got3)
 
 
 def test_grad_inputs_out_refused_and_plan_run(rng):
@@ -134,8 +128,8 @@ def test_grad_inputs_out_refused_and_plan_run(rng):
         want, want_lse = plan.run(q, k, v, return_lse=True)
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
         torch.testing.assert_close(lse.detach(), want_lse, rtol=0, atol=0)
-        _raises_on_backward(got)
-        _raises_on_backward(lse)
+        assert_backward_raises(got)
+        assert_backward_raises(lse)
         with pytest.raises(sparge.UnsupportedError, match="out="):
             plan.run(qg, k, v, out=torch.empty_like(q))
     with torch.no_grad():
@@ -152,8 +146,8 @@ def test_grad_inputs_merge_states(rng):
         want, want_lse = sparge.merge_states([p[0] for p in parts], [p[1] for p in parts])
     torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
     torch.testing.assert_close(lse.detach(), want_lse, rtol=0, atol=0)
-    _raises_on_backward(out)
-    _raises_on_backward(lse)
+    assert_backward_raises(out)
+    assert_backward_raises(lse)
     with pytest.raises(sparge.UnsupportedError, match="out="):
         sparge.merge_states([p[0] for p in parts], [p[1] for p in parts], out=torch.empty_like(q))
 
@@ -168,7 +162,7 @@ def test_grad_inputs_under_torch_compile(rng):
         want = f(q, k, v)
     got = torch.compile(f, fullgraph=True, backend="eager")(q.clone().requires_grad_(), k, v)
     torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
-    _raises_on_backward(got)
+    assert_backward_raises(got)
 
 
 def test_grad_inputs_under_the_default_compile_backends(rng):
@@ -183,7 +177,7 @@ def test_grad_inputs_under_the_default_compile_backends(rng):
         want = f(q, k, v)
     got = torch.compile(f, backend="aot_eager")(q.clone().requires_grad_(), k, v)
     torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
-    _raises_on_backward(got)
+    assert_backward_raises(got)
 
 
 def test_grad_outputs_allow_in_place_ops(rng):
@@ -196,14 +190,14 @@ def test_grad_outputs_allow_in_place_ops(rng):
     a = sparge.attention(qg, k, v, precision="fp16", return_lse=True)
     m, lse = sparge.merge_states([a[0]], [a[1]])
     m.add_(1)
-    _raises_on_backward(m)
+    assert_backward_raises(m)
 
 
 def test_grad_inputs_empty_problem_and_parameter_inputs(rng):
     qg = torch.randn(1, 2, 5, 16, requires_grad=True)
     z = sparge.sdpa(qg, torch.randn(1, 2, 0, 16), torch.randn(1, 2, 0, 16))
     assert not z.detach().any()
-    _raises_on_backward(z)
+    assert_backward_raises(z)
     with pytest.raises(sparge.UnsupportedError, match="out="):
         sparge.sdpa(qg, torch.randn(1, 2, 0, 16), torch.randn(1, 2, 0, 16), out=torch.empty(1, 2, 5, 16))
     # nn.Parameter inputs take the direct path (no grad) and Plan.run

@@ -883,7 +883,7 @@ def target_counts(timed: List[ShapeResult]) -> str:
     text = ">= 1.0x on %d of %d, >= 1.5x at N >= 8K on %d of %d" % (
         sum(1 for _, x in dense if x >= 1.0), len(dense), sum(1 for x in long if x >= 1.5), len(long))
     sparse = [(m.density, ratio(m, r.get("sparge"))) for r in timed for k, m in r.meas.items()
-              if k.startswith("d") and k != "empty"]
+              if k.startswith("d")]
     sparse = [(d, x) for d, x in sparse if not math.isnan(x) and not math.isnan(d)]
     if sparse:
         text += ", sparse <= (d + 0.05)x dense on %d of %d" % (sum(1 for d, x in sparse if x <= d + 0.05),

@@ -31,6 +31,11 @@ def _torch() -> Any:
     return _TORCH
 
 
+def _records_grad(*ts: Any) -> bool:
+    """True for torch tensors of a call that autograd records (grad mode on, one requires grad)."""
+    return _is_torch(ts[0]) and _ops().needs_grad(*ts)
+
+
 def _is_torch(x: Any) -> bool:
     t = _torch()
     return t is not None and isinstance(x, t.Tensor)
@@ -374,9 +379,7 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
         want_kept = return_sparsity and mask is None
         ops = _ops()
         grad = ops.needs_grad(q, k, v)
-        if out is not None and (grad or ops.needs_grad(out)):
-            # (torch's own out= functions refuse arguments that require grad the same way)
-            raise C.UnsupportedError("out= with arguments that require grad (grad mode on): " + ops.NO_BACKWARD)
+        ops.refuse_out(grad, "out=", out)
         if plan is not None or (EAGER_DIRECT and not grad and ops.eager_direct_ok(q, k, v, mask, out)):
             # Plain eager call: skip the custom-op dispatch (same library call, less host time).
             if plan is not None and not ops.eager_direct_ok(q, k, v, mask, out, workspace):
@@ -387,16 +390,12 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
                                                bool(return_lse), bool(want_kept), out=out, plan=plan,
                                                workspace=wv)
             if grad:  # Plan.run: the library's results as outputs of a node whose backward raises
-                res = ops.NoBackward.apply(res, q, k, v)
-                if return_lse:
-                    lse = ops.NoBackward.apply(lse, q, k, v)
+                res, lse = ops.no_backward((q, k, v), res, lse)
         else:
             res, lse, kept = ops.attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
                                                 bool(return_lse), bool(want_kept))
             if grad and not ops.HAS_CUSTOM_OP:  # (the custom op's outputs carry its raising backward)
-                res = ops.NoBackward.apply(res, q, k, v)
-                if return_lse:
-                    lse = ops.NoBackward.apply(lse, q, k, v)
+                res, lse = ops.no_backward((q, k, v), res, lse)
             if out is not None:
                 if tuple(out.shape) != tuple(res.shape) or out.dtype != res.dtype or out.device != res.device:
                     raise C.InvalidArgumentError("out must have shape %s, dtype %s on %s, got %s, %s on %s"

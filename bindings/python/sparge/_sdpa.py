@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _capi as C
-from ._api import PerHead, _attention, _is_torch, _resolve_memo
+from ._api import PerHead, _attention, _is_torch, _records_grad, _resolve_memo
 
 
 def _unsqueeze_heads(x: Any) -> Any:
@@ -39,9 +39,7 @@ def _dense_heads(k: Any, v: Any) -> Tuple[Any, Any]:
     """K and V broadcast over their heads (stride 0: one head expanded, as for multi-query
     attention) as that one head, which the library's GQA reads for every query head; other
     zero strides (the library reads no broadcast input) as copies."""
-    if int(k.shape[1]) > 1 and _is_torch(k) and k.stride(1) == 0 and v.stride(1) == 0:
-        k, v = k[:, :1], v[:, :1]
-    elif int(k.shape[1]) > 1 and isinstance(k, np.ndarray) and k.strides[1] == 0 and v.strides[1] == 0:
+    if int(k.shape[1]) > 1 and _strides(k)[1] == 0 and _strides(v)[1] == 0:
         k, v = k[:, :1], v[:, :1]
     return (_copy(k) if _has_zero_stride(k) else k), (_copy(v) if _has_zero_stride(v) else v)
 
@@ -69,15 +67,6 @@ def _broadcast_or_strided(q: Any, k: Any, v: Any) -> bool:
     else:
         sq, sk, sv, one = q.strides, k.strides, v.strides, q.itemsize
     return 0 in sq or 0 in sk or 0 in sv or sq[-1] != one or sk[-1] != one or sv[-1] != one
-
-
-def _records_grad(*ts: Any) -> bool:
-    """torch tensors of a call that autograd records (grad mode on, an input requires grad)."""
-    if not _is_torch(ts[0]):
-        return False
-    from . import _torch_ops
-
-    return _torch_ops.needs_grad(*ts)
 
 
 def _join_rows(a: Any, b: Any, nd: int) -> Any:
@@ -158,10 +147,11 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
             # torch's results where the library has no problem to run (its problems have at least one
             # batch, head, query and key): an empty output, or zeros where there is no key.
             grad = _records_grad(query, key, value)
+            if tq:
+                from . import _torch_ops
+
+                _torch_ops.refuse_out(grad, "out=", out)
             if out is not None:
-                if grad or _records_grad(out):
-                    from ._torch_ops import NO_BACKWARD
-                    raise C.UnsupportedError("out= with arguments that require grad (grad mode on): " + NO_BACKWARD)
                 if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype:
                     raise C.InvalidArgumentError("out must have shape %s and dtype %s, got %s, %s"
                                                  % (tuple(query.shape), query.dtype, tuple(out.shape), out.dtype))
@@ -171,8 +161,7 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
                 return np.zeros(query.shape, query.dtype)
             res = query.new_zeros(query.shape)
             if grad:  # as for every call autograd records: a node whose backward raises, not a cut graph
-                from ._torch_ops import NoBackward
-                res = NoBackward.apply(res, *[t for t in (query, key, value) if t.requires_grad])
+                res = _torch_ops.no_backward((query, key, value), res)[0]
             return res
         if tq and E > 1 and q4.is_contiguous() and k4.is_contiguous() and v4.is_contiguous():
             pass  # (the common case: no broadcast dimension, unit stride on E; torch's is_contiguous

@@ -184,6 +184,21 @@ def needs_grad(*tensors: Any) -> bool:
     return False
 
 
+def refuse_out(grad: bool, what: str, *outs: Any) -> None:
+    """torch's out= rule: a caller's output (``outs``, None entries skipped) is refused when the call
+    records (``grad``) or an output itself requires grad, in grad mode."""
+    given = [o for o in outs if isinstance(o, Tensor)]
+    if given and (grad or needs_grad(*given)):
+        raise C.UnsupportedError("%s with arguments that require grad (grad mode on): %s" % (what, NO_BACKWARD))
+
+
+def no_backward(inputs: Any, *results: Any) -> Tuple[Any, ...]:
+    """``results`` (None entries kept) as outputs of a node on those of ``inputs`` that require grad,
+    whose backward raises."""
+    ins = [t for t in inputs if t.requires_grad]
+    return tuple(None if r is None else NoBackward.apply(r, *ins) for r in results)
+
+
 class NoBackward(torch.autograd.Function):
     """``NoBackward.apply(res, *inputs)``: ``res`` as the output of a node on ``inputs`` whose
     backward raises (for calls that bypass the custom op: torch < 2.4, merge_states)."""
@@ -519,5 +534,5 @@ def fast_attention(q: Any, k: Any, v: Any, r: Any, mask: Any, out: Any, return_l
 
 
 __all__ = ["attention_call", "predict_call", "run_attention", "run_predict", "eager_direct_ok", "fast_attention",
-           "needs_grad", "NoBackward", "NO_BACKWARD",
+           "needs_grad", "refuse_out", "no_backward", "NoBackward", "NO_BACKWARD",
            "clear_calls", "HAS_CUSTOM_OP", "C"]

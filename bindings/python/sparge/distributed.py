@@ -31,8 +31,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _capi as C
-from ._api import attention, predict_mask
-from ._sdpa import _records_grad
+from ._api import _records_grad, attention, predict_mask
 from .merge import merge_states
 
 __all__ = [

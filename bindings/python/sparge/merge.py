@@ -65,10 +65,7 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, out: Optional[Any]
         from . import _torch_ops
 
         grad = _torch_ops.needs_grad(*[t for t in outs + lses if is_torch_tensor(t)])
-        if (out is not None or lse_out is not None) and (
-                grad or _torch_ops.needs_grad(*[t for t in (out, lse_out) if is_torch_tensor(t)])):
-            raise C.UnsupportedError("merge_states with out= or lse_out= and arguments that require grad (grad mode "
-                                     "on): " + _torch_ops.NO_BACKWARD)
+        _torch_ops.refuse_out(grad, "merge_states: out= or lse_out=", out, lse_out)
     views = [as_view(o, "outs[%d]" % i) for i, o in enumerate(outs)]
     lviews = [as_view(x, "lses[%d]" % i) for i, x in enumerate(lses)]
     for i, v in enumerate(views):
@@ -101,8 +98,5 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, out: Optional[Any]
     C.check(st, "sparge_merge_states")
     del views, lviews, oview, lview
     if grad:  # results autograd records with a backward that raises, not silently cut from the graph
-        inputs = [t for t in outs + lses if t.requires_grad]
-        out = _torch_ops.NoBackward.apply(out, *inputs)
-        if lse_out is not None:
-            lse_out = _torch_ops.NoBackward.apply(lse_out, *inputs)
+        out, lse_out = _torch_ops.no_backward(outs + lses, out, lse_out)
     return out, lse_out

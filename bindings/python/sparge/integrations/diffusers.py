@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 import torch
 
-from .._sdpa import _records_grad, sdpa
+from .._api import _records_grad
+from .._sdpa import sdpa
 from . import check_settings, mask_policy, sdpa_kwargs, settings_for
 
 

@@ -23,7 +23,8 @@ from typing import Any, Optional, Tuple
 import torch
 
 from .. import _capi as C
-from .._sdpa import _records_grad, sdpa
+from .._api import _records_grad
+from .._sdpa import sdpa
 from . import mask_policy, sdpa_kwargs, settings_for
 
 NAME = "sparge"
