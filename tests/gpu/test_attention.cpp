@@ -374,7 +374,10 @@ TEST_CASE("attention: no LSE requested, and the run is capturable in a CUDA grap
 // when its strides fit a tensor map, else with 4-byte stores from registers.
 // An output with a row pitch of D + 2 elements (rows 4-byte but not 16-byte
 // aligned) takes the second path: it must hold the same bits as a contiguous
-// output, and the two padding elements of every row must stay untouched.
+// output, and the two padding elements of every row must stay untouched. The
+// same for a given mask with rows that list no block (written by the kernels'
+// empty-row path: 16-byte stores on the contiguous output, 4-byte ones on the
+// padded one).
 TEST_CASE("attention: an output no tensor map can describe gets the same bits by direct stores",
           "[gpu][attention][sanitize]") {
   if (!fp8_capable()) return;
@@ -390,8 +393,6 @@ TEST_CASE("attention: an output no tensor map can describe gets the same bits by
       sparge_plan_t plan = causal_cuda_plan(s, in.q.dtype, prec, &wsb);
       const int64_t rows = s.B * s.Hq * s.Lq, pitch = D + 2;
       DeviceBuffer ws(wsb), dense(static_cast<size_t>(rows * D) * 2), padded(static_cast<size_t>(rows * pitch) * 2);
-      dense.fill(0xFF);
-      padded.fill(0xFF);
       const int64_t osh[4] = {s.B, s.Hq, s.Lq, D};
       const int64_t dst[4] = {s.Hq * s.Lq * D, s.Lq * D, D, 1}, pst[4] = {s.Hq * s.Lq * pitch, s.Lq * pitch, pitch, 1};
       const sparge_tensor_t od = make_desc(dense.get(), SPARGE_DEVICE_CUDA, in.q.dtype, 4, osh, dst);
@@ -401,26 +402,49 @@ TEST_CASE("attention: an output no tensor map can describe gets the same bits by
       const sparge_tensor_t vd = desc4(in.v, din.v.get(), SPARGE_DEVICE_CUDA);
       sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
       prm.topk = 0.5f;
-      CHECK(sparge_attention_run(plan, &qd, &kd, &vd, nullptr, &prm, &od, nullptr, ws.get(), wsb, stream.get()) ==
-            SPARGE_OK);
-      CHECK(sparge_attention_run(plan, &qd, &kd, &vd, nullptr, &prm, &op, nullptr, ws.get(), wsb, stream.get()) ==
-            SPARGE_OK);
-      stream.sync();
-      std::vector<uint16_t> a(static_cast<size_t>(rows * D)), b(static_cast<size_t>(rows * pitch));
-      dense.download(a.data(), a.size() * 2);
-      padded.download(b.data(), b.size() * 2);
-      int64_t differ = 0, poisoned = 0, pad_written = 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < D; ++c) {
-          const uint16_t x = a[static_cast<size_t>(r * D + c)];
-          differ += x != b[static_cast<size_t>(r * pitch + c)];
-          poisoned += x == 0xFFFF;
+      // About one mask row in six lists no block (nKB = 5, density 0.3).
+      const std::vector<uint8_t> mask = random_mask(s, 0.3, case_seed("direct-out-mask") ^ uint64_t(D));
+      DeviceBuffer dmask(mask.size());
+      dmask.upload(mask.data(), mask.size());
+      const int64_t msh[4] = {s.B, s.Hq, s.nQB(), s.nKB()};
+      const int64_t mst[4] = {s.Hq * s.nQB() * s.nKB(), s.nQB() * s.nKB(), s.nKB(), 1};
+      const sparge_tensor_t md = make_desc(dmask.get(), SPARGE_DEVICE_CUDA, SPARGE_DTYPE_UINT8, 4, msh, mst);
+      for (const bool given : {false, true}) {
+        INFO((given ? "given mask" : "predicted mask"));
+        const sparge_tensor_t* mp = given ? &md : nullptr;
+        const sparge_predict_params_t* pp = given ? nullptr : &prm;
+        dense.fill(0xFF);
+        padded.fill(0xFF);
+        CHECK(sparge_attention_run(plan, &qd, &kd, &vd, mp, pp, &od, nullptr, ws.get(), wsb, stream.get()) ==
+              SPARGE_OK);
+        CHECK(sparge_attention_run(plan, &qd, &kd, &vd, mp, pp, &op, nullptr, ws.get(), wsb, stream.get()) ==
+              SPARGE_OK);
+        stream.sync();
+        std::vector<uint16_t> a(static_cast<size_t>(rows * D)), b(static_cast<size_t>(rows * pitch));
+        dense.download(a.data(), a.size() * 2);
+        padded.download(b.data(), b.size() * 2);
+        int64_t differ = 0, poisoned = 0, pad_written = 0, empty_rows = 0, empty_nonzero = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          // r = (bb * Hq + hh) * Lq + i: its mask row lists no block.
+          const int64_t bh = r / s.Lq, qb = (r % s.Lq) / 128;
+          bool none = given;
+          for (int64_t kb = 0; none && kb < s.nKB(); ++kb)
+            none = mask[static_cast<size_t>((bh * s.nQB() + qb) * s.nKB() + kb)] == 0;
+          empty_rows += none;
+          for (int64_t c = 0; c < D; ++c) {
+            const uint16_t x = a[static_cast<size_t>(r * D + c)];
+            differ += x != b[static_cast<size_t>(r * pitch + c)];
+            poisoned += x == 0xFFFF;
+            empty_nonzero += none && x != 0;
+          }
+          for (int64_t c = D; c < pitch; ++c) pad_written += b[static_cast<size_t>(r * pitch + c)] != 0xFFFF;
         }
-        for (int64_t c = D; c < pitch; ++c) pad_written += b[static_cast<size_t>(r * pitch + c)] != 0xFFFF;
+        if (given) CHECK(empty_rows > 0);
+        CHECK(differ == 0);
+        CHECK(poisoned == 0);
+        CHECK(pad_written == 0);
+        CHECK(empty_nonzero == 0);
       }
-      CHECK(differ == 0);
-      CHECK(poisoned == 0);
-      CHECK(pad_written == 0);
       sparge_destroy_plan(plan);
     }
   }

@@ -2,6 +2,7 @@
 // parameter block and which mask row (batch, query head, 128-row query block)
 // a CTA computes, with its list of kept 64-key blocks.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/common/internal.cuh"
@@ -119,6 +120,34 @@ struct RowWork {
     return (u * kHalves + hh < n_tiles) ? listed(u * kHalves + hh) : -1;
   }
 };
+
+// A mask row with no block to compute (a sparse row that lists none; a dense
+// causal row that sees no key): its query rows use no key, so their output is
+// zeros and their LSE -inf (docs/SEMANTICS.md). The CTA's nthreads threads
+// write them and the CTA ends: no Q load, no shared memory, no barrier. out:
+// the 16-bit output of the row's (batch, head), row stride sl elements; lse
+// likewise (null: not asked for); rows q0 .. q0 + rows - 1 below Lq, d
+// columns. 16-byte stores where the rows allow them, else 4-byte ones (CUDA
+// plans require 4-byte aligned output rows and even head dims).
+__device__ __forceinline__ void write_empty_row(void* out, int64_t sl, float* lse, int64_t lse_sl, int q0, int rows,
+                                                int Lq, int d, int tid, int nthreads) {
+  const int n = Lq - q0 < rows ? Lq - q0 : rows;
+  if (n <= 0) return;
+  char* o = static_cast<char*>(out) + 2 * int64_t(q0) * sl;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(o) | uintptr_t(sl * 2) | uintptr_t(d * 2);
+  const bool wide = (a & 15) == 0;
+  const int per_row = wide ? d / 8 : d / 2;
+  for (int i = tid; i < n * per_row; i += nthreads) {
+    const int r = i / per_row, c = i - r * per_row;
+    char* dst = o + 2 * int64_t(r) * sl;
+    if (wide)
+      reinterpret_cast<uint4*>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
+    else
+      reinterpret_cast<uint32_t*>(dst)[c] = 0u;
+  }
+  if (lse != nullptr)
+    for (int r = tid; r < n; r += nthreads) lse[int64_t(q0 + r) * lse_sl] = -INFINITY;
+}
 
 // Dense work on persistent CTAs (one per SM, each taking its rows in turn):
 // the mask row of the k-th slot of CTA `cta` of `ctas`, -1 past the last, -2

@@ -116,6 +116,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
   const T* gK = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
   const T* gV = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
   const int n = w.n_tiles;
+  if (n == 0) {  // nothing to compute: zeros and LSE -inf, written directly
+    attn::write_empty_row(static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh, p.o_sl,
+                          p.lse != nullptr ? p.lse + b * p.lse_sb + h * p.lse_sh : nullptr, p.lse_sl, q0, kBQ, p.Lq,
+                          p.D, tid, kThreads);
+    return;
+  }
 
   // ---- Q tile (rows >= Lq are zero-filled), own commit group
 #pragma unroll

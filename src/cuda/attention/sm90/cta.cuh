@@ -150,7 +150,7 @@ struct SmemRing {
 // the row's nKB entries whatever the count), so the first stage waits for one
 // global load after `order`, not two; the values past the count are dropped.
 template <int kHalves, class Ring, class LoadQ, class LoadStage>
-__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_steps, int consumers, const Ring& ring,
+__device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int consumers, const Ring& ring,
                                            LoadQ load_q, LoadStage load_stage) {
   int first[kHalves];
 #pragma unroll
@@ -158,14 +158,12 @@ __device__ __forceinline__ void start_ring(const RowWork& w, int nKB, int n_step
   ring.init(consumers);
   mbar_init(ring.qbar, 1);
   mbar_fence_init();
-  // Q first (it needs the row only), then stage 0; the consumers wait for Q
-  // even on an empty row.
+  // Q first (it needs the row only), then stage 0 (n_steps > 0: an empty row
+  // never gets here, row_cta).
   load_q();
-  if (n_steps > 0) {
 #pragma unroll
-    for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < w.n_tiles) ? first[hh] : -1;
-    load_stage(0, first);
-  }
+  for (int hh = 0; hh < kHalves; ++hh) first[hh] = (hh < w.n_tiles) ? first[hh] : -1;
+  load_stage(0, first);
 }
 
 // The producer thread after the barrier: stages 1.. of the row, each into the

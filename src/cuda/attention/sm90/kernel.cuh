@@ -473,9 +473,18 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   using L = typename ML::Layout;
   constexpr int kStages = L::kStages, kHalves = ML::kHalves, kCW = ML::kConsumers;
   static_assert(kHalves <= kListReadAhead, "the first step reads more list entries than the scheduler defines");
-  const SmemRing<kStages> ring(smem_raw, L::kBar);
   const RowWork w(p);
   const int n_steps = w.steps<kHalves>();
+  if (n_steps == 0) {  // nothing to compute: zeros and LSE -inf, written directly (attn::write_empty_row)
+    if (threadIdx.x == 0) trace_start(p, 0);
+    const int64_t bh_out = int64_t(w.b) * p.out_stride[0] + int64_t(w.h) * p.out_stride[1];
+    float* lse = p.lse != nullptr ? p.lse + int64_t(w.b) * p.lse_stride[0] + int64_t(w.h) * p.lse_stride[1] : nullptr;
+    attn::write_empty_row(static_cast<char*>(p.out) + 2 * bh_out, p.out_stride[2], lse, p.lse_stride[2], w.q0,
+                          p.q_rows, p.Lq, ML::kHeadDim, threadIdx.x, ML::kThreads);
+    if (threadIdx.x == 128 || threadIdx.x == 256) trace_done(p, threadIdx.x / 128 - 1);
+    return;
+  }
+  const SmemRing<kStages> ring(smem_raw, L::kBar);
   // Stage s <- the step's listed blocks. A missing block (an odd count at
   // the end of a row) loads the first again: finite data whose scores are
   // masked, so every stage completes the same byte count.
@@ -490,7 +499,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   const int wg = warpgroup();
   if (threadIdx.x == 0) {
     trace_start(p, n_steps);
-    start_ring<kHalves>(w, p.nKB, n_steps, 128 * kCW, ring, [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); },
+    start_ring<kHalves>(w, p.nKB, 128 * kCW, ring, [&] { ML::load_q(maps, p, w, ring.base, ring.qbar); },
                         load_stage);
   }
   __syncthreads();
@@ -509,7 +518,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
   trace_event(p, wg - 1, 0);
-  if (n_steps > 0) consume<ML>(c, w, ring, n_steps);
+  consume<ML>(c, w, ring, n_steps);
   c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
   trace_done(p, wg - 1);
 }
