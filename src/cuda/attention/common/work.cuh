@@ -149,6 +149,14 @@ __device__ __forceinline__ void write_empty_row(void* out, int64_t sl, float* ls
     for (int r = tid; r < n; r += nthreads) lse[int64_t(q0 + r) * lse_sl] = -INFINITY;
 }
 
+// The same for the row of w, with the output and LSE of the parameter block.
+__device__ __forceinline__ void write_empty_row(const Params& p, const RowWork& w, int d, int tid, int nthreads) {
+  const int64_t bh = int64_t(w.b) * p.out_stride[0] + int64_t(w.h) * p.out_stride[1];
+  float* lse = p.lse != nullptr ? p.lse + int64_t(w.b) * p.lse_stride[0] + int64_t(w.h) * p.lse_stride[1] : nullptr;
+  write_empty_row(static_cast<char*>(p.out) + 2 * bh, p.out_stride[2], lse, p.lse_stride[2], w.q0, p.q_rows, p.Lq, d,
+                  tid, nthreads);
+}
+
 // Dense work on persistent CTAs (one per SM, each taking its rows in turn):
 // the mask row of the k-th slot of CTA `cta` of `ctas`, -1 past the last, -2
 // for a slot without a row. Non-causal: rows cta, cta + ctas, ... of

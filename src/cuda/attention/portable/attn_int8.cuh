@@ -162,10 +162,7 @@ struct Int8Cta {
     const attn::RowWork w(p);
     const int n_steps = w.steps<kHalves>();
     if (n_steps == 0) {  // nothing to compute: zeros and LSE -inf, written directly
-      const int64_t bh_out = int64_t(w.b) * p.out_stride[0] + int64_t(w.h) * p.out_stride[1];
-      float* lse = p.lse != nullptr ? p.lse + int64_t(w.b) * p.lse_stride[0] + int64_t(w.h) * p.lse_stride[1] : nullptr;
-      attn::write_empty_row(static_cast<char*>(p.out) + 2 * bh_out, p.out_stride[2], lse, p.lse_stride[2], w.q0,
-                            p.q_rows, p.Lq, P.D, tid, 256);
+      attn::write_empty_row(p, w, P.D, tid, 256);
       return;
     }
     Consumer c(p, 0, tid, w);  // warp w: rows 16w.. of the block (cw = 0, tid < 256)

@@ -477,10 +477,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   const int n_steps = w.steps<kHalves>();
   if (n_steps == 0) {  // nothing to compute: zeros and LSE -inf, written directly (attn::write_empty_row)
     if (threadIdx.x == 0) trace_start(p, 0);
-    const int64_t bh_out = int64_t(w.b) * p.out_stride[0] + int64_t(w.h) * p.out_stride[1];
-    float* lse = p.lse != nullptr ? p.lse + int64_t(w.b) * p.lse_stride[0] + int64_t(w.h) * p.lse_stride[1] : nullptr;
-    attn::write_empty_row(static_cast<char*>(p.out) + 2 * bh_out, p.out_stride[2], lse, p.lse_stride[2], w.q0,
-                          p.q_rows, p.Lq, ML::kHeadDim, threadIdx.x, ML::kThreads);
+    attn::write_empty_row(p, w, ML::kHeadDim, threadIdx.x, ML::kThreads);
     if (threadIdx.x == 128 || threadIdx.x == 256) trace_done(p, threadIdx.x / 128 - 1);
     return;
   }
