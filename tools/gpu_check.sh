@@ -40,12 +40,17 @@
 #   NCU_KERNEL_REGEX (regex:MainloopInt8Fp8, matched against demangled names)
 #   SPARGE_TEST_SEED (reproduce a test run)
 #   AB_BASE (a source tree to compare against in the ab stage; AB_ARGS: its sparge_bench
-#   arguments; AB_ROUNDS (3): alternating rounds)
+#   arguments; AB_ROUNDS (3): alternating rounds; AB_GRID: tools/bench/grid.py arguments, which
+#   then also runs on both trees' libraries, e.g. "--b 64 --n 1k --d 128,64 --causal 0" for empty masks)
 #   GPU_CHECK_FP16AB (1; 0 skips the portable FP16-mode kernel A/B in bench)
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
 #   GPU_CHECK_PERSIST (1; 0 skips the attention tests with every dense FP16 call on 3 persistent CTAs)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
+#   GPU_CHECK_ARCHS (the builds' SPARGE_CUDA_ARCHS, e.g. 90a: SASS for this GPU only, a build in about half
+#   the time; unset: CMake's default or what the build folder has; GPU_CHECK_PTX: SPARGE_CUDA_PTX with it,
+#   default none)
+#   GPU_CHECK_TARGETS (the build stage's targets, e.g. "sparge sparge_gpu_tests"; default all)
 #   GRID_ARGS (extra tools/bench/grid.py arguments, e.g. --sparse --pred)
 #   GRID_LIMIT_S (330: the grid stage's time limit; grid.py gets 30 s less as its --budget-s)
 #   TRACE_SHAPES ("B H N D causal persist;...": persist 0, 1 or rule; default 64x32x1Kx128 one CTA
@@ -79,6 +84,10 @@ COMMIT=$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 if ! git -C "$ROOT" diff --quiet HEAD 2>/dev/null; then COMMIT="$COMMIT+dirty"; fi
 # A copy of the tree without current git metadata can name its commit.
 COMMIT=${GPU_CHECK_COMMIT:-$COMMIT}
+# Architectures of every build below (GPU_CHECK_ARCHS), and the build stage's targets.
+ARCH_ARGS=()
+[ -n "${GPU_CHECK_ARCHS:-}" ] && ARCH_ARGS=(-DSPARGE_CUDA_ARCHS="$GPU_CHECK_ARCHS" -DSPARGE_CUDA_PTX="${GPU_CHECK_PTX:-}")
+read -ra BUILD_TARGETS <<<"${GPU_CHECK_TARGETS:-}"
 
 SUMMARY=()
 note() { SUMMARY+=("$(printf '| %-9s | %-7s | %5s s | %s |' "$1" "$2" "$3" "$4")"); }
@@ -148,9 +157,11 @@ if want build; then
   fi
   rc=0
   run_to "$LOG/build.log" "$(allow 120)" cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DSPARGE_CUDA=ON -DSPARGE_BUILD_TESTS=ON "${CATCH_ARGS[@]}" || rc=$?
+    -DSPARGE_CUDA=ON -DSPARGE_BUILD_TESTS=ON "${CATCH_ARGS[@]}" "${ARCH_ARGS[@]}" || rc=$?
   if ((rc == 0)); then
-    run_to "$LOG/build.log" "$(allow 480)" cmake --build "$BUILD" -j "$JOBS" || rc=$?
+    targets=()
+    ((${#BUILD_TARGETS[@]})) && targets=(--target "${BUILD_TARGETS[@]}")
+    run_to "$LOG/build.log" "$(allow 480)" cmake --build "$BUILD" -j "$JOBS" "${targets[@]}" || rc=$?
   fi
   if ((rc == 0)); then
     BUILT=1
@@ -336,12 +347,20 @@ if want ab; then
     ABB=$ROOT/build-ab
     rc=0
     run_to "$LOG/ab.log" "$(allow 60)" cmake -S "$AB_BASE" -B "$ABB" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARGE_CUDA=ON \
-      -DSPARGE_BUILD_TESTS=OFF || rc=$?
+      -DSPARGE_BUILD_TESTS=OFF "${ARCH_ARGS[@]}" || rc=$?
     ((rc == 0)) && { run_to "$LOG/ab.log" "$(allow 240)" cmake --build "$ABB" -j "$JOBS" --target sparge_bench || rc=$?; }
     if ((rc == 0)); then
       # shellcheck disable=SC2086
       run_to "$LOG/ab.log" "$(allow 420)" python3 "$ROOT/tools/bench/ab_compare.py" --a "$ABB/tools/bench/sparge_bench" \
         --b "$BENCH" --rounds "${AB_ROUNDS:-3}" --csv "$LOG/ab.csv" -- ${AB_ARGS:---modes dense,d0.2,i8f16,fp16} || rc=$?
+    fi
+    # The grid's shapes through the Python API on both libraries (base first), empty masks included.
+    if ((rc == 0)) && [ -n "${AB_GRID:-}" ]; then
+      for lib in "$ABB/libsparge.so" "$BUILD/libsparge.so"; do
+        # shellcheck disable=SC2086
+        run_to "$LOG/ab.log" "$(allow 150)" env PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench/grid.py" --lib "$lib" \
+          --commit "$lib" --budget-s 120 $AB_GRID || rc=$?
+      done
     fi
     line=$(grep -E '^[0-9]+ workloads: median change' "$LOG/ab.log" | tail -n 1)
     ((rc == 0)) && note ab ok $(($(date +%s) - s)) "$line" || note ab FAIL $(($(date +%s) - s)) "rc=$rc"
@@ -358,7 +377,7 @@ if want trace; then
   TB=$ROOT/build-trace
   rc=0
   run_to "$LOG/trace.log" "$(allow 60)" cmake -S "$ROOT" -B "$TB" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARGE_CUDA=ON \
-    -DSPARGE_BUILD_TESTS=OFF -DSPARGE_SM90_TRACE=ON || rc=$?
+    -DSPARGE_BUILD_TESTS=OFF -DSPARGE_SM90_TRACE=ON "${ARCH_ARGS[@]}" || rc=$?
   ((rc == 0)) && { run_to "$LOG/trace.log" "$(allow 240)" cmake --build "$TB" -j "$JOBS" --target sparge_bench || rc=$?; }
   n_traced=0
   if ((rc == 0)); then
