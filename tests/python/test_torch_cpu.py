@@ -226,3 +226,19 @@ def test_out_that_requires_grad_is_refused(rng):
     with torch.no_grad():
         sparge.attention(q, k, v, precision="fp16", out=out)
         torch.testing.assert_close(out, o, rtol=0, atol=0)
+
+
+def test_torch_func_transforms_get_a_clear_error(rng):
+    # torch.func's wrapped tensors (vmap's batched ones, grad's tracking ones) cannot reach the
+    # library: the error says what to do instead of torch's message about data pointers or
+    # setup_context. Also after plain calls with the same arguments (the cached eager path).
+    q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=2, Hq=2, Hkv=2, Lq=128, Lkv=128, D=16))
+    for _ in range(2):
+        with pytest.raises(sparge.UnsupportedError, match="torch.func transforms"):
+            torch.func.vmap(lambda qi, ki, vi: sparge.sdpa(qi, ki, vi))(q, k, v)
+        with pytest.raises(sparge.UnsupportedError, match="torch.func transforms"):
+            torch.func.vmap(lambda qi: sparge.attention(qi, k[0], v[0], precision="fp16"))(q)
+        with pytest.raises(sparge.UnsupportedError, match="torch.func transforms"):
+            torch.func.grad(lambda qq: sparge.sdpa(qq, k, v).sum())(q)
+        sparge.sdpa(q, k, v)
+        sparge.attention(q, k, v, precision="fp16")

@@ -41,6 +41,19 @@ def _is_torch(x: Any) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+FUNC_TRANSFORMS = ("torch.func transforms (vmap, grad, jacrev, ...) are not supported: libsparge's attention is an "
+                   "inference op with neither a batching rule nor a backward. Call it on the batched tensors "
+                   "directly (it takes a batch dimension), under torch.no_grad() or torch.inference_mode()")
+
+
+def _under_func_transform(*ts: Any) -> bool:
+    """True when a torch tensor among ``ts`` is a torch.func (functorch) wrapper (vmap's batched
+    tensors, grad's tracking tensors)."""
+    t = _torch()
+    wrapped = getattr(getattr(getattr(t, "_C", None), "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return wrapped is not None and any(isinstance(x, t.Tensor) and wrapped(x) for x in ts)
+
+
 _OPS: Any = None
 #: ``_torch_ops.fast_attention`` once torch tensors have been seen (None until then).
 _FAST: Any = None
@@ -362,71 +375,77 @@ def _attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, r: _Resolved, mask: Any
                return_sparsity: bool, return_lse: bool, stream: Optional[int],
                plan: Optional[core.Plan] = None, workspace: Any = None) -> Any:
     """attention() after option resolution; ``plan``/``workspace`` from a :class:`sparge.Plan`."""
-    fast = _FAST
-    if fast is not None and plan is None and workspace is None and not return_sparsity and EAGER_DIRECT:
-        # Eager torch call whose arguments were seen before: one cache hit (_torch_ops.fast_attention).
-        res = fast(q, k, v, r, mask, out, return_lse)
-        if res is not None:
-            return res
-    mask = _normalize_mask(mask)
-    if _is_torch(q):
-        extra = (("mask", mask),) if mask is not None else ()
-        extra += (("out", out),) if out is not None else ()
-        extra += (("workspace", workspace),) if workspace is not None else ()
-        for name, t in (("k", k), ("v", v)) + extra:
-            if not _is_torch(t):
-                raise C.InvalidArgumentError("%s must be a torch tensor like q, got %s" % (name, type(t).__name__))
+    try:
+        fast = _FAST
+        if fast is not None and plan is None and workspace is None and not return_sparsity and EAGER_DIRECT:
+            # Eager torch call whose arguments were seen before: one cache hit (_torch_ops.fast_attention).
+            res = fast(q, k, v, r, mask, out, return_lse)
+            if res is not None:
+                return res
+        mask = _normalize_mask(mask)
+        if _is_torch(q):
+            extra = (("mask", mask),) if mask is not None else ()
+            extra += (("out", out),) if out is not None else ()
+            extra += (("workspace", workspace),) if workspace is not None else ()
+            for name, t in (("k", k), ("v", v)) + extra:
+                if not _is_torch(t):
+                    raise C.InvalidArgumentError("%s must be a torch tensor like q, got %s" % (name, type(t).__name__))
+            want_kept = return_sparsity and mask is None
+            ops = _ops()
+            grad = ops.needs_grad(q, k, v)
+            ops.refuse_out(grad, "out=", out)
+            if plan is not None or (EAGER_DIRECT and not grad and ops.eager_direct_ok(q, k, v, mask, out)):
+                # Plain eager call: skip the custom-op dispatch (same library call, less host time).
+                if plan is not None and not ops.eager_direct_ok(q, k, v, mask, out, workspace):
+                    raise C.UnsupportedError("Plan.run calls the library directly (eager only); under "
+                                             "torch.compile or a dispatch mode use sparge.attention or sparge.sdpa")
+                wv = _arrays_view(workspace, "workspace") if workspace is not None else None
+                res, lse, kept = ops.run_attention(q, k, v, mask, (r.topk_h, r.cdf_h, r.sim_h), r.opts,
+                                                   bool(return_lse), bool(want_kept), out=out, plan=plan,
+                                                   workspace=wv)
+                if grad:  # Plan.run: the library's results as outputs of a node whose backward raises
+                    res, lse = ops.no_backward((q, k, v), res, lse)
+            else:
+                res, lse, kept = ops.attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
+                                                    bool(return_lse), bool(want_kept))
+                if grad and not ops.HAS_CUSTOM_OP:  # (the custom op's outputs carry its raising backward)
+                    res, lse = ops.no_backward((q, k, v), res, lse)
+                if out is not None:
+                    if tuple(out.shape) != tuple(res.shape) or out.dtype != res.dtype or out.device != res.device:
+                        raise C.InvalidArgumentError("out must have shape %s, dtype %s on %s, got %s, %s on %s"
+                                                     % (tuple(res.shape), res.dtype, res.device, tuple(out.shape),
+                                                        out.dtype, out.device))
+                    out.copy_(res)
+                    res = out
+            density = None
+            if return_sparsity:
+                s = _shapes_torch(q, k, r.opts.layout)
+                density = (_density_from_kept(kept, s, r.bq, r.bk, r.opts.causal) if mask is None
+                           else _density_from_mask(mask, s, r.bq, r.bk, r.opts.causal))
+            return _pack(res, density, lse if return_lse else None, return_sparsity, return_lse)
+
+        qv, kv, vv = _views(stream, q=q, k=k, v=v)
+        s = core.check_qkv(qv, kv, vv, r.opts.layout)
+        alloc = allocator_for(q, qv)
+        mv = as_view(mask, "mask", stream) if mask is not None else None
+        ov = (out, as_view(out, "out", stream)) if out is not None else None
+        wv = as_view(workspace, "workspace", stream) if workspace is not None else None
         want_kept = return_sparsity and mask is None
-        ops = _ops()
-        grad = ops.needs_grad(q, k, v)
-        ops.refuse_out(grad, "out=", out)
-        if plan is not None or (EAGER_DIRECT and not grad and ops.eager_direct_ok(q, k, v, mask, out)):
-            # Plain eager call: skip the custom-op dispatch (same library call, less host time).
-            if plan is not None and not ops.eager_direct_ok(q, k, v, mask, out, workspace):
-                raise C.UnsupportedError("Plan.run calls the library directly (eager only); under "
-                                         "torch.compile or a dispatch mode use sparge.attention or sparge.sdpa")
-            wv = _arrays_view(workspace, "workspace") if workspace is not None else None
-            res, lse, kept = ops.run_attention(q, k, v, mask, (r.topk_h, r.cdf_h, r.sim_h), r.opts,
-                                               bool(return_lse), bool(want_kept), out=out, plan=plan,
-                                               workspace=wv)
-            if grad:  # Plan.run: the library's results as outputs of a node whose backward raises
-                res, lse = ops.no_backward((q, k, v), res, lse)
-        else:
-            res, lse, kept = ops.attention_call(q, k, v, mask, *_split_torch_heads(r), *_op_scalars(r),
-                                                bool(return_lse), bool(want_kept))
-            if grad and not ops.HAS_CUSTOM_OP:  # (the custom op's outputs carry its raising backward)
-                res, lse = ops.no_backward((q, k, v), res, lse)
-            if out is not None:
-                if tuple(out.shape) != tuple(res.shape) or out.dtype != res.dtype or out.device != res.device:
-                    raise C.InvalidArgumentError("out must have shape %s, dtype %s on %s, got %s, %s on %s"
-                                                 % (tuple(res.shape), res.dtype, res.device, tuple(out.shape),
-                                                    out.dtype, out.device))
-                out.copy_(res)
-                res = out
+        res, lse, kept, plan = core.attention(alloc, qv, kv, vv, s, r.opts, _stream_of(stream, qv), mask=mv,
+                                              topk_h=r.topk_h, cdf_h=r.cdf_h, sim_h=r.sim_h,
+                                              want_lse=return_lse, want_kept=want_kept, plan=plan,
+                                              workspace=wv, out=ov)
+        del qv, kv, vv, mv, ov, wv  # releases consumed DLPack capsules
         density = None
         if return_sparsity:
-            s = _shapes_torch(q, k, r.opts.layout)
-            density = (_density_from_kept(kept, s, r.bq, r.bk, r.opts.causal) if mask is None
-                       else _density_from_mask(mask, s, r.bq, r.bk, r.opts.causal))
-        return _pack(res, density, lse if return_lse else None, return_sparsity, return_lse)
-
-    qv, kv, vv = _views(stream, q=q, k=k, v=v)
-    s = core.check_qkv(qv, kv, vv, r.opts.layout)
-    alloc = allocator_for(q, qv)
-    mv = as_view(mask, "mask", stream) if mask is not None else None
-    ov = (out, as_view(out, "out", stream)) if out is not None else None
-    wv = as_view(workspace, "workspace", stream) if workspace is not None else None
-    want_kept = return_sparsity and mask is None
-    res, lse, kept, plan = core.attention(alloc, qv, kv, vv, s, r.opts, _stream_of(stream, qv), mask=mv,
-                                          topk_h=r.topk_h, cdf_h=r.cdf_h, sim_h=r.sim_h,
-                                          want_lse=return_lse, want_kept=want_kept, plan=plan,
-                                          workspace=wv, out=ov)
-    del qv, kv, vv, mv, ov, wv  # releases consumed DLPack capsules
-    density = None
-    if return_sparsity:
-        density = (_density_from_kept(kept, s, plan.block_q, plan.block_k, r.opts.causal) if mask is None
-                   else _density_from_mask(mask, s, plan.block_q, plan.block_k, r.opts.causal))
-    return _pack(res, density, lse, return_sparsity, return_lse)
+            density = (_density_from_kept(kept, s, plan.block_q, plan.block_k, r.opts.causal) if mask is None
+                       else _density_from_mask(mask, s, plan.block_q, plan.block_k, r.opts.causal))
+        return _pack(res, density, lse, return_sparsity, return_lse)
+    except RuntimeError as e:
+        # (no cost on the way in: only a failed call asks what its tensors are)
+        if _under_func_transform(q, k, v):
+            raise C.UnsupportedError(FUNC_TRANSFORMS) from e
+        raise
 
 
 def _arrays_view(x: Any, name: str) -> Any:
