@@ -47,9 +47,8 @@
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
 #   GPU_CHECK_PERSIST (1; 0 skips the attention tests with every dense FP16 call on 3 persistent CTAs)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
-#   GPU_CHECK_ARCHS (the builds' SPARGE_CUDA_ARCHS, e.g. 90a: SASS for this GPU only, a build in about half
-#   the time; unset: CMake's default or what the build folder has; GPU_CHECK_PTX: SPARGE_CUDA_PTX with it,
-#   default none)
+#   GPU_CHECK_ARCHS (the builds' SPARGE_CUDA_ARCHS, e.g. 90a: SASS for this GPU only, a shorter build;
+#   unset: CMake's default or what the build folder has; GPU_CHECK_PTX: SPARGE_CUDA_PTX with it, default none)
 #   GPU_CHECK_TARGETS (the build stage's targets, e.g. "sparge sparge_gpu_tests"; default all)
 #   GRID_ARGS (extra tools/bench/grid.py arguments, e.g. --sparse --pred)
 #   GRID_LIMIT_S (330: the grid stage's time limit; grid.py gets 30 s less as its --budget-s)
