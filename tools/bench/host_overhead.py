@@ -173,7 +173,9 @@ def main() -> int:
     ap.add_argument("--masks", default="empty,dense,predicted",
                     help="comma-separated: empty, dense, predicted, full (no mask, topk=1.0: the dense call)")
     ap.add_argument("--precision", default="int8_fp8", help="int8_fp8 (this script's default; the library's is auto), int8_fp16, fp16, ...")
-    ap.add_argument("--calls", type=int, default=200, help="calls per batch with an empty mask (others: 16)")
+    ap.add_argument("--calls", type=int, default=200, help="calls per batch with an empty mask (others: --work-calls)")
+    ap.add_argument("--work-calls", type=int, default=16,
+                    help="calls per batch of the masks with real GPU work (default 16: a short launch queue)")
     ap.add_argument("--repeats", type=int, default=7, help="batches; the median is printed")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--noop-c", action="store_true", help="time the Python layer alone (CPU tensors, no-op library "
@@ -216,7 +218,7 @@ def main() -> int:
                 mask = None
             else:
                 raise SystemExit("unknown mask %r" % mname)
-            calls = args.calls if mname == "empty" else 16  # real GPU work: keep the launch queue short
+            calls = args.calls if mname == "empty" else args.work_calls  # real GPU work: a short launch queue
 
             topk = 1.0 if mname == "full" else 0.5
 
