@@ -45,7 +45,7 @@
 #   GPU_CHECK_FP16AB (1; 0 skips the portable FP16-mode kernel A/B in bench)
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
-#   GPU_CHECK_PERSIST (1; 0 skips the attention tests with every FP16 call on 3 persistent CTAs)
+#   GPU_CHECK_PERSIST (1; 0 skips the attention tests with every dense FP16 call on 3 persistent CTAs)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
 #   GPU_CHECK_ARCHS (the builds' SPARGE_CUDA_ARCHS, e.g. 90a: SASS for this GPU only, a shorter build;
 #   unset: CMake's default or what the build folder has; GPU_CHECK_PTX: SPARGE_CUDA_PTX with it, default none)
@@ -63,7 +63,7 @@ set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # Kernel choice is set per stage below, never inherited.
-unset SPARGE_FP16_KERNEL SPARGE_SM90_EPILOGUE SPARGE_PDL SPARGE_SM90_PERSIST SPARGE_SM90_PERSIST_GRID SPARGE_SM90_PERSIST_LISTED
+unset SPARGE_FP16_KERNEL SPARGE_SM90_EPILOGUE SPARGE_PDL SPARGE_SM90_PERSIST SPARGE_SM90_PERSIST_GRID
 ROOT=$PWD
 BUILD=${BUILD_DIR:-build-gpu}
 OUTDIR=${OUT:-$ROOT/gpu_check_out}
@@ -219,7 +219,7 @@ if want test; then
       rc=$?
       ((rc != 0 && rc != 77)) && fails+=("direct epilogue rc=$rc")
     fi
-    # Every FP16 call (dense or masked) on persistent CTAs, at most 3 of them (many rows per
+    # Every dense FP16 call on persistent CTAs, at most 3 of them (many rows per
     # CTA on the small shapes: the row boundaries and both Q buffers).
     if [ "${GPU_CHECK_PERSIST:-1}" != 0 ]; then
       run_to "$LOG/test.log" "$(allow 120)" env SPARGE_SM90_PERSIST=1 SPARGE_SM90_PERSIST_GRID=3 SPARGE_FP16_KERNEL=sm90 \

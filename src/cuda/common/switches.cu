@@ -27,9 +27,6 @@ const DevSwitches& dev_switches() {
     d.graphs = !env_is("SPARGE_GRAPHS", "0");
     if (env_is("SPARGE_SM90_PERSIST", "0")) d.persist = 0;
     if (env_is("SPARGE_SM90_PERSIST", "1")) d.persist = 1;
-    d.persist_listed = d.persist;
-    if (env_is("SPARGE_SM90_PERSIST_LISTED", "0")) d.persist_listed = 0;
-    if (env_is("SPARGE_SM90_PERSIST_LISTED", "1")) d.persist_listed = 1;
     if (const char* g = std::getenv("SPARGE_SM90_PERSIST_GRID")) d.persist_grid = std::max(0, std::atoi(g));
     if (env_is("SPARGE_SM90_WIDE", "0")) d.wide = 0;
     if (env_is("SPARGE_SM90_WIDE", "1")) d.wide = 1;

@@ -10,11 +10,9 @@
 //                                 by one instead of replaying the key's CUDA graph
 //   SPARGE_FP16_KERNEL=sm90       an FP16 call the sm_90a kernel cannot take is an
 //                                 error instead of a fallback to the portable kernel
-//   SPARGE_SM90_PERSIST=0 / 1     calls of the sm_90a FP16 kernels never / always run on
-//                                 persistent CTAs (default: where the rule of
+//   SPARGE_SM90_PERSIST=0 / 1     dense calls of the sm_90a 16-bit kernels never / always
+//                                 run on persistent CTAs (default: where the rule of
 //                                 sm90::use_persistent says)
-//   SPARGE_SM90_PERSIST_LISTED=0 / 1  the same for calls with a mask (lists) only,
-//                                 over SPARGE_SM90_PERSIST
 //   SPARGE_SM90_PERSIST_GRID=N    at most N persistent CTAs (tests: many rows per CTA
 //                                 on small problems)
 //   SPARGE_SM90_WIDE=0            dense FP16 calls at D = 64 run the masked calls'
@@ -36,7 +34,6 @@ struct DevSwitches {
   bool force_portable = false;
   bool graphs = true;
   int persist = -1;      // SPARGE_SM90_PERSIST: 0, 1, or -1 (the rule)
-  int persist_listed = -1;  // SPARGE_SM90_PERSIST_LISTED: 0, 1, or -1 (persist)
   int persist_grid = 0;  // SPARGE_SM90_PERSIST_GRID: the most persistent CTAs (0: one per SM)
   int wide = -1;         // SPARGE_SM90_WIDE: 0, 1, or -1 (the default: wide)
 };

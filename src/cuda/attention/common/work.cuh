@@ -88,13 +88,12 @@ struct RowWork {
     n_tiles = dense ? dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB, p.q_rows) : p.cnt[row_id];
     tiles = dense ? nullptr : p.idx + int64_t(row_id) * p.nKB;
   }
-  // Mask row `row` (persistent CTAs, persistent_row): dense work, or its list.
+  // Dense work: mask row `row` (persistent CTAs, persistent_row).
   template <class P>
   __device__ __forceinline__ RowWork(const P& p, int row) {
     set_row(p, row);
-    const bool dense = p.idx == nullptr;
-    n_tiles = dense ? dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB, p.q_rows) : p.cnt[row_id];
-    tiles = dense ? nullptr : p.idx + int64_t(row_id) * p.nKB;
+    n_tiles = dense_blocks(qb, p.causal, p.Lq, p.Lkv, p.nKB, p.q_rows);
+    tiles = nullptr;
   }
   // The row's indices.
   template <class P>
@@ -158,22 +157,15 @@ __device__ __forceinline__ void write_empty_row(const Params& p, const RowWork& 
                   tid, nthreads);
 }
 
-// Work on persistent CTAs (one per SM, each taking its rows in turn): the
-// mask row of the k-th slot of CTA `cta` of `ctas`, -1 past the last, -2 for
-// a slot without a row. Listed work (a mask): rows cta, cta + ctas, ... of
-// the work order (heaviest first within a K/V group, so that the strides
-// deal every CTA rows of about the same weights). Dense work, non-causal:
-// rows cta, cta + ctas, ... of dense_row's order (all rows equally long).
-// Causal: units of two rows, query
+// Dense work on persistent CTAs (one per SM, each taking its rows in turn):
+// the mask row of the k-th slot of CTA `cta` of `ctas`, -1 past the last, -2
+// for a slot without a row. Non-causal: rows cta, cta + ctas, ... of
+// dense_row's order (all rows equally long). Causal: units of two rows, query
 // blocks nQB-1-r (long, first) and r (short) of one head, about nQB + 1
 // blocks' work each, so that a static stride gives every CTA nearly the same
 // work; unit cta + (k/2) * ctas, units group by group as dense_row orders rows
 // (the short row of the middle unit of an odd nQB is the -2 slot).
 __device__ __forceinline__ int persistent_row(const Params& p, int cta, int ctas, int k) {
-  if (p.idx != nullptr) {
-    const int64_t t = int64_t(cta) + int64_t(k) * ctas;
-    return t < p.n_rows ? p.order[t] : -1;
-  }
   if (!p.causal) {
     const int64_t t = int64_t(cta) + int64_t(k) * ctas;
     return t < p.n_rows ? dense_row(int32_t(t), p.Hq, p.group, p.nQB, 0) : -1;

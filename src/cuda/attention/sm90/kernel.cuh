@@ -18,9 +18,8 @@
 //        which overwrite the P registers P.V(u-1) read. The other warpgroup
 //        has its turn meanwhile, so one's softmax overlaps the other's matrix
 //        products.
-// Work of the 16-bit FP16 mainloop (dense, or a mask's rows) may instead run
-// on persistent CTAs (at most one per SM, persistent_cta): a CTA takes its
-// rows in turn (attn::persistent_row), skipping those without a block, its
+// Dense work of the 16-bit FP16 mainloop may instead run on persistent CTAs
+// (at most one per SM, persistent_cta): a CTA takes its rows in turn, its
 // producer thread loads each row's Q into one of one or two Q buffers
 // (qfull / qempty barriers) and the ring of stages runs on across rows; there
 // is no producer side work (FP16 has none). With two Q buffers (D = 64; D =
@@ -230,25 +229,12 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   }
 }
 
-// A persistent CTA's row without a block (a mask row that keeps none; a
-// causal row that sees no key): neither the producer nor the consumers run
-// it; the consumer warpgroups write its zeros and LSE -inf directly, each its
-// share (both meet every row), and the row takes no Q buffer. tid: the
-// thread's index in its warpgroup.
-template <class ML>
-__device__ __forceinline__ bool empty_row(const Params& p, const RowWork& w, int tid) {
-  if (w.n_tiles != 0) return false;
-  attn::write_empty_row(p, w, ML::kHeadDim, (warpgroup() - 1) * 128 + tid, 128 * ML::kConsumers);
-  return true;
-}
-
 // The consumers of a persistent CTA with two Q buffers: one software pipeline
 // across the CTA's rows. The first step of a row is issued in the same turn
 // as the last P.V of the row before (its Q already loaded into the other
 // buffer), and the finished row's epilogue runs while the other warpgroup has
 // its turn; so neither the row's first Q.K^T nor its last P.V is waited for
-// alone. Non-causal kernels only (next_row passes over the rows without a
-// step, which empty_row writes): measured on an H100
+// alone. Non-causal kernels only (every row has a step): measured on an H100
 // (PERF-NOTES v50), it gains on non-causal rows and loses on causal ones,
 // which keep one row at a time.
 template <class ML, class Ring, class QBuf>
@@ -258,13 +244,11 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   constexpr int kStages = Ring::kStagesC, kCW = ML::kConsumers;
   const int cw = warpgroup() - 1, me = cw, other = next_consumer<kCW>(cw);
   int k = 0;
-  // The CTA's next row with work (past the slots without one, writing the
-  // rows without a block); -1 past the last.
+  // The CTA's next row (past the slots without one); -1 past the last.
   auto next_row = [&]() -> int {
     for (;;) {
       const int r = attn::persistent_row(p, blockIdx.x, gridDim.x, k++);
-      if (r == -1) return r;
-      if (r != -2 && !empty_row<ML>(p, RowWork(p, r), tid)) return r;
+      if (r != -2) return r;
     }
   };
   int row = next_row();
@@ -381,7 +365,7 @@ struct PersistLayout {
   static constexpr int kAlloc = (kAfter ? kQ2 + L::kQBytes : L::kBar + kBarBytes) + 1024;
 };
 
-// The persistent CTA (the FP16 mainloop's dense or listed work): the rows of
+// The persistent CTA (dense work of the 16-bit mainloops): the rows of
 // attn::persistent_row in turn, the ring of K/V stages running on across rows
 // so that the producer loads the next row's Q and first stages while the
 // consumers finish a row and store its output.
@@ -419,7 +403,6 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
       if (row == -1) break;
       if (row < 0) continue;
       const RowWork w(p, row);
-      if (w.n_tiles == 0) continue;  // the consumers write it (empty_rows)
       const int n = w.steps<kHalves>(), qi = i % kQBufs;
       // Ring step g + u <- step u's blocks: K and V together, or (split)
       // K once its slot is free, then V once its slot is.
@@ -473,11 +456,10 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
     if (row == -1) break;
     if (row < 0) continue;
     const RowWork w(p, row);
-    if (empty_row<ML>(p, w, tid)) continue;
     const int n = w.steps<kHalves>(), qi = i % kQBufs;
     typename ML::Consumer c(p, wg - 1, tid, w, ring.base, qbuf(qi));
     mbar_wait(&qfull[qi], (i / kQBufs) & 1);
-    consume<ML>(c, w, ring, n, g);
+    if (n > 0) consume<ML>(c, w, ring, n, g);
     c.epilogue(maps, ring.base, tid);
     mbar_arrive(&qempty[qi]);
     g += n;
@@ -538,7 +520,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   trace_done(p, wg - 1);
 }
 
-// kPersist: work on persistent CTAs (persistent_cta; the grid is at
+// kPersist: dense work on persistent CTAs (persistent_cta; the grid is at
 // most one CTA per SM); else one CTA per mask row (row_cta).
 template <class ML, bool kPersist>
 __global__ void __launch_bounds__(ML::kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {

@@ -158,14 +158,11 @@ sparge_status_t setup_launch(const AttnArgs& a, Sm90Launch* s, bool* applies) {
   if (ML::kTmaStore && tma_store_from_env() &&
       make_map_bhld16(enc, &m.o, a.out.data, bf16, a.out.shape, a.out.stride, 64) == CUDA_SUCCESS)
     p.tma_store = 1;
-  // The FP16 mainloop's work on persistent CTAs (kernel.cuh) where
-  // use_persistent's measured rule says so: at most one CTA per SM. A mask's
-  // rows are units of their own (attn::persistent_row).
+  // Dense work of the FP16 mainloop on persistent CTAs (kernel.cuh) where
+  // use_persistent's measured rule says so: at most one CTA per SM.
   if constexpr (ML::kPersistOK) {
-    const bool listed = a.idx != nullptr;
-    if (a.sm_count > 0 && use_persistent(pb, a.sm_count, ML::kConsumers, listed)) {
-      const int64_t rows = pb.B * pb.Hq * tiles;
-      const int64_t units = listed ? rows : persistent_units(rows, tiles, pb.causal);
+    if (a.idx == nullptr && a.sm_count > 0 && use_persistent(pb, a.sm_count, ML::kConsumers)) {
+      const int64_t units = persistent_units(pb.B * pb.Hq * tiles, tiles, pb.causal);
       s->persist = 1;
       const int64_t cap = persistent_grid_cap(a.sm_count);
       s->grid = static_cast<unsigned>(units < cap ? units : cap);

@@ -102,10 +102,9 @@ bool use_wide() {
   return true;
 }
 
-bool use_persistent(const Problem& pb, int sm_count, int consumers, bool listed) {
-  const int sw = listed ? dev_switches().persist_listed : dev_switches().persist;
+bool use_persistent(const Problem& pb, int sm_count, int consumers) {
+  const int sw = dev_switches().persist;
   if (sw >= 0) return sw == 1;
-  if (listed) return false;  // RULE: to be measured
   // Measured (PERF-NOTES v50, v55): causal calls gain from the balanced pairs
   // of rows when the units fill the SMs' last wave to >= 90 % (1x32x1K-4K
   // x128: -11 ... -25 %), at D = 128 only while the rows are short or the

@@ -38,12 +38,11 @@ CUresult make_map_bhld16(EncodeTiledFn enc, CUtensorMap* map, const void* base, 
 // the TMA store through shared memory where a kernel has room for it.
 bool tma_store_from_env();
 
-// Whether the work of an FP16 sm_90a kernel with `consumers` consumer
+// Whether the dense work of a 16-bit sm_90a kernel with `consumers` consumer
 // warpgroups (tiles of 64 * consumers query rows) runs on persistent CTAs
-// (kernel.cuh): dense work, or a mask's lists (`listed`).
-// SPARGE_SM90_PERSIST(_LISTED)=0 / 1 decides where set; else the measured rule
-// (docs/PERF-NOTES.md v50, v55, v64).
-bool use_persistent(const Problem& pb, int sm_count, int consumers, bool listed);
+// (kernel.cuh): SPARGE_SM90_PERSIST=0 / 1 decides where set; else rows many
+// and short (docs/PERF-NOTES.md v50).
+bool use_persistent(const Problem& pb, int sm_count, int consumers);
 // Whether a dense call takes a mainloop's wide (three-consumer, 192-row)
 // variant: SPARGE_SM90_WIDE=0 / 1 decides where set; else yes (measured on
 // every shape of the grid: docs/PERF-NOTES.md v54).
