@@ -61,10 +61,47 @@ __device__ __forceinline__ void store_tile_tma(uint8_t* stage, int block_stride,
   }
 }
 
+// One of four 32-bit values by a runtime index (selects, not local memory).
+__device__ __forceinline__ uint32_t pick4(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, int i) {
+  const uint32_t lo = (i & 1) ? a1 : a0, hi = (i & 1) ? a3 : a2;
+  return (i & 2) ? hi : lo;
+}
+
+// Direct 16-byte stores of a warpgroup's rows. A quad of threads holds rows
+// row0 and row1, columns 8c .. 8c+7 as 2-column pairs (thread `quad`: columns
+// 8c + 2 quad, +1); for every 16 columns (c, c + 1) the quad transposes its
+// 4 x 4 values (V[k], k = 2 j + half: column group c + j) with three xor
+// shuffles, so that thread q holds the 8 columns of group c + (q >> 1) in row
+// (q & 1 ? row1 : row0) and writes them with one store: whole 32-byte sectors
+// and a quarter of the 4-byte stores' instructions. Every thread of the warp
+// takes part (ok0 / ok1 only guard the stores: rows past Lq).
+template <int Dout, class Pair>
+__device__ __forceinline__ void store_rows16(char* orow0, char* orow1, bool ok0, bool ok1, int quad, Pair pair) {
+  static_assert(Dout % 16 == 0, "16-byte direct stores: head dims that are multiples of 16");
+  const int mine = quad & 1;
+  char* dst = mine ? orow1 : orow0;
+  const bool ok = mine ? ok1 : ok0;
+#pragma unroll
+  for (int c = 0; c < Dout / 8; c += 2) {
+    const uint32_t v0 = pair(c, 0), v1 = pair(c, 1), v2 = pair(c + 1, 0), v3 = pair(c + 1, 1);
+    // Round r: this thread receives V_{quad^r}[quad] and sends V[quad^r].
+    uint32_t g[4];
+    g[0] = pick4(v0, v1, v2, v3, quad);
+#pragma unroll
+    for (int r = 1; r < 4; ++r) g[r] = __shfl_xor_sync(0xffffffffu, pick4(v0, v1, v2, v3, quad ^ r), r);
+    // Column pair s of the group came from thread s, in round s ^ quad.
+    const uint4 o = make_uint4(pick4(g[0], g[1], g[2], g[3], quad), pick4(g[0], g[1], g[2], g[3], 1 ^ quad),
+                               pick4(g[0], g[1], g[2], g[3], 2 ^ quad), pick4(g[0], g[1], g[2], g[3], 3 ^ quad));
+    if (ok) *reinterpret_cast<uint4*>(dst + 16 * (c + (quad >> 1))) = o;
+  }
+}
+
 // A consumer warpgroup's output rows and their LSE: the tile through the
 // TMA store (`tma`: staged at `stage`, see store_tile_tma) or by direct
-// 4-byte stores of the first Dout columns; Dk is the accumulator's width
-// (columns past Dout are padding, clipped by the output map). pair(c, half)
+// stores of the first Dout columns (16-byte ones, store_rows16, where the
+// output's base and strides are multiples of 16 bytes; else 4-byte ones); Dk
+// is the accumulator's width (columns past Dout are padding, clipped by the
+// output map). pair(c, half)
 // as for store_tile_tma; shift(half) is added to the row's LSE (the
 // smoothing shift q.mu of the int8 modes).
 template <int Dk, int Dout, class SM, class Pair, class Shift>
@@ -72,13 +109,22 @@ __device__ __forceinline__ void write_output(const Params& p, const SM& sm, int 
                                              uint8_t* stage, int stage_stride, const CUtensorMap* map, Pair pair,
                                              Shift shift) {
   if (tma) store_tile_tma<Dk>(stage, stage_stride, map, cw, tid, sm.wg_row_min, h, b, pair);
+  auto out_row = [&](int row) {
+    return static_cast<char*>(p.out) +
+           2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] + int64_t(row) * p.out_stride[2]);
+  };
+  bool rows16 = false;
+  if constexpr (Dout % 16 == 0) {
+    rows16 = !tma && ((reinterpret_cast<uintptr_t>(p.out) | uintptr_t(p.out_stride[0] * 2) |
+                       uintptr_t(p.out_stride[1] * 2) | uintptr_t(p.out_stride[2] * 2)) & 15) == 0;
+    if (rows16) store_rows16<Dout>(out_row(sm.row0), out_row(sm.row1), sm.row0 < p.Lq, sm.row1 < p.Lq, sm.quad, pair);
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = half ? sm.row1 : sm.row0;
     if (row >= p.Lq) continue;
-    if (!tma) {
-      char* orow = static_cast<char*>(p.out) +
-                   2 * (int64_t(b) * p.out_stride[0] + int64_t(h) * p.out_stride[1] + int64_t(row) * p.out_stride[2]);
+    if (!tma && !rows16) {
+      char* orow = out_row(row);
 #pragma unroll
       for (int c = 0; c < Dout / 8; ++c)
         *reinterpret_cast<uint32_t*>(orow + 2 * (8 * c + 2 * sm.quad)) = pair(c, half);
