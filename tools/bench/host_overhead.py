@@ -22,6 +22,14 @@ runs offline. Example:
 
   SPARGE_LIBRARY=build/libsparge.so PYTHONPATH=bindings/python python3 tools/bench/host_overhead.py
 
+--positions N times each of the first N calls after a device synchronization on its own (median over --repeats
+batches, wall µs by position in the batch): the eager call, `sparge_attention_run` (C, warm) and, as a control that
+involves no libsparge code, a torch op of the same kind of host work (an output allocated with `torch.empty_like`
+and a one-element add) — to tell whether a cost that only the first calls after an idle device pay is the
+library's:
+
+  SPARGE_LIBRARY=build/libsparge.so PYTHONPATH=bindings/python python3 tools/bench/host_overhead.py --positions 6
+
 --noop-c times the Python layer alone, on any machine: CPU torch tensors (--noop-shape, bf16), and the
 library call replaced by a C function that does nothing (sparge_has_cuda of a CPU-only build, which
 returns 0, called through the same ctypes prototype). It prints the best over --repeats batches of
@@ -58,6 +66,21 @@ def batches(fn, calls: int, repeats: int, sync) -> tuple:
         walls.append((w1 - w0) / calls)
         cpus.append((c1 - c0) / calls)
     return statistics.median(walls), statistics.median(cpus)
+
+
+def by_position(fn, n: int, repeats: int, sync) -> list:
+    """Median wall seconds of the i-th call after a synchronization, i = 0 .. n-1, over `repeats` batches."""
+    per = [[] for _ in range(n)]
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for i in range(n):
+            fn()
+            t1 = time.perf_counter()
+            per[i].append(t1 - t)
+            t = t1
+        sync()
+    return [statistics.median(x) for x in per]
 
 
 def gpu_per_call(torch, fn, calls: int) -> float:
@@ -178,6 +201,8 @@ def main() -> int:
                     help="calls per batch of the masks with real GPU work (default 16: a short launch queue)")
     ap.add_argument("--repeats", type=int, default=7, help="batches; the median is printed")
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--positions", type=int, default=0,
+                    help="time the first N calls after a synchronization one by one (see the description)")
     ap.add_argument("--noop-c", action="store_true", help="time the Python layer alone (CPU tensors, no-op library "
                     "call; needs a CPU-only build)")
     ap.add_argument("--noop-shape", default="1x4x256x64", help="BxHxLxD of --noop-c")
@@ -228,6 +253,23 @@ def main() -> int:
             for _ in range(args.warmup):
                 py()
             sync()
+            if args.positions > 0:
+                one = torch.ones(1, device="cuda")
+
+                def torch_op() -> None:  # the control: no libsparge code
+                    torch.empty_like(q).view(-1)[:1].add_(one)
+
+                rows = [("sparge.attention", py), ("torch control", torch_op)]
+                if mask is not None:
+                    rows.append(("C warm", CCall(torch, _core, C, q, k, v, mask, prec, 1)))
+                for label, fn in rows:
+                    for _ in range(args.warmup):
+                        fn()
+                    pos = by_position(fn, args.positions, args.repeats, sync)
+                    print("%-12s %-9s %-17s by position: %s us" % (name, mname, label,
+                                                                   " ".join("%.1f" % (t * 1e6) for t in pos)))
+                del mask
+                continue
             pw, pc = batches(py, calls, args.repeats, sync)
             fast, _api._FAST = getattr(_api, "_FAST", None), None  # the general path
             try:
