@@ -4,9 +4,9 @@
 (an empty mask) or real (an all-ones mask, the dense call without a mask and with topk=1.0, or the
 predicted mask of the default call with the estimator keys_lse named).
 
-For each shape and mask it times batches of calls with time.perf_counter (wall) and
-time.process_time (CPU of the process), synchronizing the device only between batches, and prints
-the median over the batches, in microseconds per call:
+For each shape and mask it times batches of calls with time.perf_counter (wall) and time.thread_time
+(CPU time of the calling thread, read outside the wall window), synchronizing the device only between
+batches, and prints the median over the batches, in microseconds per call:
 
   py wall / py cpu   sparge.attention(q, k, v, mask=...) (the eager direct path; its arguments repeat, so
                      after the first call it is a hit of the prepared-call cache)
@@ -58,10 +58,15 @@ def batches(fn, calls: int, repeats: int, sync) -> tuple:
     walls, cpus = [], []
     for _ in range(repeats):
         sync()
-        w0, c0 = time.perf_counter(), time.process_time()
+        # The calling thread's CPU clock, read outside the wall window: the process's
+        # (time.process_time) sums every thread's time, torch's and the driver's
+        # included, and costs tens of microseconds in a process with many threads.
+        c0 = time.thread_time()
+        w0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        w1, c1 = time.perf_counter(), time.process_time()
+        w1 = time.perf_counter()
+        c1 = time.thread_time()
         sync()
         walls.append((w1 - w0) / calls)
         cpus.append((c1 - c0) / calls)
