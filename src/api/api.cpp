@@ -200,13 +200,22 @@ SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_
   return guarded("sparge_predict_mask", [&]() -> sparge_status_t {
     SPARGE_TRY(check_plan(plan));
     const Plan& pl = *plan;
-    SPARGE_TRY(api::check_tensor(pl, q, api::spec_q(pl, "q")));
-    SPARGE_TRY(api::check_tensor(pl, k, api::spec_kv(pl, "k")));
-    SPARGE_TRY(api::check_tensor(pl, mask_out, api::spec_mask(pl, "mask_out")));
+    // CUDA plans: arguments this plan has predicted with before skip the
+    // driver queries of where the pointers live, as in sparge_attention_run.
+    const bool gpu = pl.prob.device == SPARGE_DEVICE_CUDA;
+    AttnCallKey key;
+    bool query = true;
+    if (gpu) {
+      api::attention_call_key(q, k, nullptr, mask_out, params, nullptr, kept_out, workspace, &key);
+      query = !cuda::call_known(pl, key);
+    }
+    SPARGE_TRY(api::check_tensor(pl, q, api::spec_q(pl, "q"), query));
+    SPARGE_TRY(api::check_tensor(pl, k, api::spec_kv(pl, "k"), query));
+    SPARGE_TRY(api::check_tensor(pl, mask_out, api::spec_mask(pl, "mask_out"), query));
     PredictConfig cfg;
-    SPARGE_TRY(api::read_params(pl, params, &cfg));
-    if (kept_out) SPARGE_TRY(api::check_tensor(pl, kept_out, api::spec_kept(pl, "kept_out")));
-    SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes));
+    SPARGE_TRY(api::read_params(pl, params, &cfg, query));
+    if (kept_out) SPARGE_TRY(api::check_tensor(pl, kept_out, api::spec_kept(pl, "kept_out"), query));
+    SPARGE_TRY(api::check_workspace(pl, workspace, workspace_bytes, query));
     {
       const api::NamedTensor ins[] = {{"q", q}, {"k", k}};
       const api::NamedTensor outs[] = {{"mask_out", mask_out}, {"kept_out", kept_out}};
@@ -218,7 +227,11 @@ SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_
     KeptView kv;
     if (kept_out) kv = api::to_kept(*kept_out);
     const KeptView* kp = kept_out ? &kv : nullptr;
-    if (pl.prob.device == SPARGE_DEVICE_CUDA) return cuda::predict(pl, tq, tk, cfg, m, kp, workspace, stream);
+    if (gpu) {
+      SPARGE_TRY(cuda::predict(pl, tq, tk, cfg, m, kp, workspace, stream));
+      if (query) cuda::remember_call(pl, key);
+      return SPARGE_OK;
+    }
     return cpu::predict(pl, tq, tk, cfg, m, kp, workspace);
   });
 }

@@ -32,6 +32,7 @@ sparge_status_t attention(const Plan&, const Tensor4&, const Tensor4&, const Ten
   return absent();
 }
 bool call_known(const Plan&, const AttnCallKey&) { return false; }
+void remember_call(const Plan&, const AttnCallKey&) {}
 CallCache* create_call_cache() { return nullptr; }
 void destroy_call_cache(CallCache*) {}  // never created without the backend
 sparge_status_t merge_states(const MergeArgs&, int, void*) { return absent(); }

@@ -92,6 +92,10 @@ sparge_status_t pointer_on_device(const void* ptr, int device_id, const char* na
 // call with that key may skip the pointer queries. Never true when
 // SPARGE_CHECK_POINTERS=1 (read once).
 bool call_known(const Plan& plan, const AttnCallKey& key);
+// Records `key` as a call whose pointers were checked (sparge_predict_mask,
+// which keeps no setup: its key has neither v nor out, so it never matches an
+// attention call's).
+void remember_call(const Plan& plan, const AttnCallKey& key);
 sparge_status_t predict(const Plan& plan, const Tensor4& q, const Tensor4& k, const PredictConfig& cfg,
                         const MaskView& mask_out, const KeptView* kept, void* workspace, void* stream);
 // `key` (optional): the call's arguments; the setup is then looked up in and

@@ -112,8 +112,16 @@ TEST_CASE("CUDA plan: host pointers are rejected, naming the tensor", "[gpu][err
     CHECK(st == SPARGE_ERR_INVALID_ARGUMENT);
     CHECK(names_word(msg, p.name));
   }
-  // Host memory for predict_mask's q and mask_out.
+  // Host memory for predict_mask's q and mask_out, also after the plan has
+  // predicted with the valid arguments (twice: the second call is a known
+  // argument set, checked without driver queries); a changed pointer is a new
+  // argument set and is checked in full.
   {
+    for (int rep = 0; rep < 2; ++rep) {
+      INFO("valid prediction " << rep);
+      CHECK(sparge_predict_mask(f.plan, &f.q, &f.k, nullptr, &f.m, nullptr, f.ws.get(), f.wsb, nullptr) == SPARGE_OK);
+    }
+    SGT_CUDA(cudaDeviceSynchronize());
     sparge_tensor_t qh = f.q, mh = f.m;
     qh.data = host;
     sparge_status_t st = sparge_predict_mask(f.plan, &qh, &f.k, nullptr, &f.m, nullptr, f.ws.get(), f.wsb, nullptr);
