@@ -193,6 +193,19 @@ SPARGE_API sparge_status_t sparge_plan_visible_blocks(sparge_plan_t plan, int64_
   });
 }
 
+// CUDA plans: an argument set this plan has seen before (whose pointers were
+// then checked) skips the driver queries of where the pointers live; every
+// other check runs (docs/API.md, "Validation cost"). Returns whether to query;
+// fills `key` on CUDA plans.
+static bool query_pointers(const Plan& pl, const sparge_tensor_t* q, const sparge_tensor_t* k,
+                           const sparge_tensor_t* v, const sparge_tensor_t* mask, const sparge_predict_params_t* params,
+                           const sparge_tensor_t* out, const sparge_tensor_t* lse, const void* workspace,
+                           AttnCallKey* key) {
+  if (pl.prob.device != SPARGE_DEVICE_CUDA) return true;
+  api::attention_call_key(q, k, v, mask, params, out, lse, workspace, key);
+  return !cuda::call_known(pl, *key);
+}
+
 SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_tensor_t* q,
                                                const sparge_tensor_t* k, const sparge_predict_params_t* params,
                                                const sparge_tensor_t* mask_out, const sparge_tensor_t* kept_out,
@@ -200,15 +213,9 @@ SPARGE_API sparge_status_t sparge_predict_mask(sparge_plan_t plan, const sparge_
   return guarded("sparge_predict_mask", [&]() -> sparge_status_t {
     SPARGE_TRY(check_plan(plan));
     const Plan& pl = *plan;
-    // CUDA plans: arguments this plan has predicted with before skip the
-    // driver queries of where the pointers live, as in sparge_attention_run.
     const bool gpu = pl.prob.device == SPARGE_DEVICE_CUDA;
-    AttnCallKey key;
-    bool query = true;
-    if (gpu) {
-      api::attention_call_key(q, k, nullptr, mask_out, params, nullptr, kept_out, workspace, &key);
-      query = !cuda::call_known(pl, key);
-    }
+    AttnCallKey key;  // a prediction's: no v, no out (never an attention call's)
+    const bool query = query_pointers(pl, q, k, nullptr, mask_out, params, nullptr, kept_out, workspace, &key);
     SPARGE_TRY(api::check_tensor(pl, q, api::spec_q(pl, "q"), query));
     SPARGE_TRY(api::check_tensor(pl, k, api::spec_kv(pl, "k"), query));
     SPARGE_TRY(api::check_tensor(pl, mask_out, api::spec_mask(pl, "mask_out"), query));
@@ -244,16 +251,9 @@ SPARGE_API sparge_status_t sparge_attention_run(sparge_plan_t plan, const sparge
   return guarded("sparge_attention_run", [&]() -> sparge_status_t {
     SPARGE_TRY(check_plan(plan));
     const Plan& pl = *plan;
-    // CUDA plans: the same arguments as a call this plan already set up (and
-    // whose pointers were then checked) skip the driver queries of where the
-    // pointers live; every other check runs (docs/API.md, "Validation cost").
     const bool gpu = pl.prob.device == SPARGE_DEVICE_CUDA;
     AttnCallKey key;
-    bool query = true;
-    if (gpu) {
-      api::attention_call_key(q, k, v, mask, params, out, lse, workspace, &key);
-      query = !cuda::call_known(pl, key);
-    }
+    const bool query = query_pointers(pl, q, k, v, mask, params, out, lse, workspace, &key);
     SPARGE_TRY(api::check_tensor(pl, q, api::spec_q(pl, "q"), query));
     SPARGE_TRY(api::check_tensor(pl, k, api::spec_kv(pl, "k"), query));
     SPARGE_TRY(api::check_tensor(pl, v, api::spec_kv(pl, "v"), query));
