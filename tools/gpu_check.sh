@@ -26,6 +26,8 @@
 #             and a per-SASS-instruction CSV (sass_source.csv)
 #   ab        A/B against another source tree (AB_BASE): builds it into build-ab/, then
 #             tools/bench/ab_compare.py runs both trees' sparge_bench alternately (ab.csv)
+#   abenv     a developer switch (AB_ENV) against the default on this build: grid.py alternately
+#             without and with it, then tools/bench/grid_compare.py shape by shape (abenv.log, abenv.csv)
 #   trace     a build with -DSPARGE_SM90_TRACE=ON (build-trace/): clock stamps of every CTA of one
 #             dense FP16 call per TRACE_SHAPES entry, read by tools/bench/trace_sm90.py (trace.log)
 #   ncu       Nsight Compute (--clock-control none) on the int8_fp8 attention kernel
@@ -42,6 +44,9 @@
 #   AB_BASE (a source tree to compare against in the ab stage; AB_ARGS: its sparge_bench
 #   arguments; AB_ROUNDS (3): alternating rounds; AB_GRID: tools/bench/grid.py arguments, which
 #   then also runs on both trees' libraries, e.g. "--b 64 --n 1k --d 128,64 --causal 0" for empty masks)
+#   AB_ENV (abenv: the switch's VAR=value words, e.g. "SPARGE_SM90_EPILOGUE=direct"; AB_ENV_ROUNDS (2): rounds
+#   of the two sides; AB_ENV_GRID: grid.py arguments, default "--b 1,8,64 --n 1k,2k,8k --sparse --no-fa2
+#   --measure-ms 500 --batches 5")
 #   GPU_CHECK_FP16AB (1; 0 skips the portable FP16-mode kernel A/B in bench)
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
@@ -57,7 +62,7 @@
 #
 # Files written to $OUT (10 at most): build.log test.log sanitize.log bench.log
 # bench.csv anchors.csv ncu.log summary.txt, and with ncusrc: ncusrc.log sass_source.csv;
-# the grid stage (only when named) writes grid.log grid.csv grid.md; the trace stage trace.log
+# the grid stage (only when named) writes grid.log grid.csv grid.md; abenv abenv.log abenv.csv; the trace stage trace.log
 set -o pipefail
 set -u
 
@@ -367,6 +372,45 @@ if want ab; then
     fi
     line=$(grep -E '^[0-9]+ workloads: median change' "$LOG/ab.log" | tail -n 1)
     ((rc == 0)) && note ab ok $(($(date +%s) - s)) "$line" || note ab FAIL $(($(date +%s) - s)) "rc=$rc"
+  fi
+fi
+
+# ---------------------------------------------------------------- abenv
+# A developer switch against the default through the grid: grid.py on this build
+# without and with AB_ENV (e.g. "SPARGE_SM90_EPILOGUE=direct"), alternating, for
+# AB_ENV_ROUNDS rounds; tools/bench/grid_compare.py then compares the two sides
+# shape by shape (abenv.log, abenv.csv).
+if want abenv; then
+  banner abenv
+  s=$(date +%s)
+  if [ ! -f "$BUILD/libsparge.so" ]; then
+    note abenv skip 0 "no build ($BUILD/libsparge.so)"
+  elif [ -z "${AB_ENV:-}" ]; then
+    note abenv skip 0 "AB_ENV is not set"
+  else
+    tmp=$(mktemp -d)
+    rc=0
+    offs=()
+    ons=()
+    for ((r = 1; r <= ${AB_ENV_ROUNDS:-2}; ++r)); do
+      for side in off on; do
+        envs=()
+        # shellcheck disable=SC2206
+        [ "$side" = on ] && envs=($AB_ENV)
+        # shellcheck disable=SC2086
+        run_to "$LOG/abenv.log" "$(allow 150)" env "${envs[@]}" PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench/grid.py" \
+          --lib "$BUILD/libsparge.so" --commit "$COMMIT $side" --budget-s 120 --csv "$tmp/$side$r.csv" \
+          ${AB_ENV_GRID:---b 1,8,64 --n 1k,2k,8k --sparse --no-fa2 --measure-ms 500 --batches 5} || rc=$?
+        if [ "$side" = on ]; then ons+=("$tmp/$side$r.csv"); else offs+=("$tmp/$side$r.csv"); fi
+      done
+    done
+    if ((rc == 0)); then
+      run_to "$LOG/abenv.log" 30 python3 "$ROOT/tools/bench/grid_compare.py" --a "${offs[@]}" --b "${ons[@]}" \
+        --names "default,switch" --csv "$LOG/abenv.csv" || rc=$?
+    fi
+    rm -rf "$tmp"
+    line=$(grep -E '^dense +[0-9]+ rows' "$LOG/abenv.log" | tail -n 1)
+    ((rc == 0)) && note abenv ok $(($(date +%s) - s)) "$AB_ENV: $line" || note abenv FAIL $(($(date +%s) - s)) "rc=$rc"
   fi
 fi
 
