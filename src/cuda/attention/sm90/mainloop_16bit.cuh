@@ -38,26 +38,23 @@ using attn::Pack16;
 
 //
 // kCW: consumer warpgroups (64 query rows each). 2: the CTA tile is one
-// 128-row mask row (every call). 3: dense FP16 calls at D = 64 and 128 (Wide
-// below): 192-row tiles, so that two warpgroups' softmax overlaps the third's
-// products (a step's products are too short to cover one warpgroup's
-// softmax); 128-key steps at D = 64, 64-key steps at D = 128 (160 registers
-// per consumer thread hold the 64-column O but not 128-key scores besides).
+// 128-row mask row (every call). 3: dense FP16 calls at D = 64 only (Wide
+// below): 192-row tiles, 128-key steps, so that two warpgroups' softmax
+// overlaps the third's products (at D = 64 a step's products are too short
+// to cover one warpgroup's softmax).
 template <class T, int D, bool kCausal, bool kI8, int kCW = 2>
 struct Mainloop16 {
   static constexpr int Dk = int(gpu_kernel_head_dim(D));
   static_assert(Dk == 64 || Dk == 128 || Dk == 256, "16-bit P.V on sm_90a: kernel head dim 64, 128 or 256");
-  static_assert(kCW == 2 || (kCW == 3 && !kI8 && (D == 64 || D == 128)),
-                "three consumer warpgroups: dense FP16 at D = 64 and 128");
+  static_assert(kCW == 2 || (kCW == 3 && !kI8 && D == 64), "three consumer warpgroups: dense FP16 at D = 64");
   static constexpr int kConsumers = kCW;
   static constexpr int kRows = 64 * kCW;  // query rows of a CTA tile
   static constexpr int kThreads = 128 * (kCW + 1);
   static constexpr int kHalves =
-      kCW == 3 ? (Dk == 64 ? 2 : 1) : blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D);
+      kCW == 3 ? 2 : blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D);
   static constexpr int kKeys = kHalves * 64;
   // The dense-call variant of this mainloop (launch_sm90.cuh), or void.
-  using Wide =
-      std::conditional_t<(kCW == 2 && !kI8 && (D == 64 || D == 128)), Mainloop16<T, D, kCausal, false, 3>, void>;
+  using Wide = std::conditional_t<(kCW == 2 && !kI8 && D == 64), Mainloop16<T, D, kCausal, false, 3>, void>;
   static constexpr int kHeadDim = D;
   static constexpr bool kI8C = kI8, kFp8PV = false, kTmaStore = true;
   static constexpr bool kCausalC = kCausal;
@@ -82,9 +79,7 @@ struct Mainloop16 {
   // in its own region (per consumer warpgroup Dk/64 blocks of 64 rows x 128
   // bytes); FP16 stages it in the warpgroup's rows of the Q tile.
   struct Layout {
-    // Three consumers at Dk = 128: four 64-key stages (32 KiB each), which
-    // leave room for a persistent CTA's second Q buffer (PersistLayout).
-    static constexpr int kStages = (Dk == 64 || kCW == 3) ? 4 : (Dk == 128) ? 3 : 2;
+    static constexpr int kStages = (Dk == 64) ? 4 : (Dk == 128) ? 3 : 2;
     static constexpr int kCols = Dk / 64;           // 64-element column blocks
     static constexpr int kW8 = Dk < 128 ? Dk : 128;  // int8 column block width (bytes)
     static constexpr int kCols8 = Dk / kW8;
