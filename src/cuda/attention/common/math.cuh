@@ -50,19 +50,37 @@ __device__ __forceinline__ float poly_exp2(float x) {
 // An int8 dot product over D <= 256 is at most 127*127*256 < 2^22.
 constexpr int32_t kIntToFloatMagicBits = 0x4B400000;
 constexpr float kIntToFloatMagic = 12582912.0f;
+// v[0] = op over v[0 .. N) by a balanced tree (depth ceil(log2 N) instead of
+// a chain of N - 1 dependent operations; N and every index are constants after
+// unrolling). For max (exactly associative and commutative on the values it
+// keeps) the result is the chain's.
+template <int N, int n = N, class T, class Op>
+__device__ __forceinline__ T tree_reduce(T (&v)[N], Op op) {
+  if constexpr (n == 1) {
+    return v[0];
+  } else {
+    constexpr int h = (n + 1) / 2;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) v[i] = op(v[i], v[i + h]);
+    return tree_reduce<N, h>(v, op);
+  }
+}
+
 // Row maxima of one 64-key block of an s32 wgmma accumulator over the four
 // threads of a quad: registers acc[off .. off + 32) of this thread, those with
 // (j & 2) set in its second row. INT32_MIN (below any product sum) where every
 // score of the block is masked. `off` is a constant after unrolling.
 template <int NS>
 __device__ __forceinline__ void quad_row_max_s32(const int32_t (&acc)[NS], int off, int32_t& im0, int32_t& im1) {
-  im0 = INT32_MIN;
-  im1 = INT32_MIN;
+  int32_t r0[16], r1[16];
 #pragma unroll
   for (int jj = 0; jj < 32; ++jj) {
-    if (jj & 2) im1 = max(im1, acc[off + jj]);
-    else im0 = max(im0, acc[off + jj]);
+    if (jj & 2) r1[(jj >> 2) * 2 + (jj & 1)] = acc[off + jj];
+    else r0[(jj >> 2) * 2 + (jj & 1)] = acc[off + jj];
   }
+  auto mx = [](int32_t a, int32_t b) { return max(a, b); };
+  im0 = tree_reduce(r0, mx);
+  im1 = tree_reduce(r1, mx);
   im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 1));
   im0 = max(im0, __shfl_xor_sync(0xffffffffu, im0, 2));
   im1 = max(im1, __shfl_xor_sync(0xffffffffu, im1, 1));

@@ -132,20 +132,29 @@ struct OnlineSoftmax {
                                                float& alpha0, float& alpha1) {
     StepScale st;
     st.masked_any = false;
-    if constexpr (!kI8) {
-      // A score of exactly -inf (an infinite k element) would look masked
-      // below; 0 * s + s makes it NaN (and leaves every finite score as it
-      // is), so the rows that use the key become NaN (docs/SEMANTICS.md,
-      // "Non-finite values"). One FFMA per score, FP16 mode only.
+    bool need_mask[kHalves];
 #pragma unroll
-      for (int j = 0; j < NS; ++j) s[j] = __fmaf_rn(0.f, s[j], s[j]);
+    for (int hh = 0; hh < kHalves; ++hh) {
+      const int key0 = kb[hh] * 64;
+      need_mask[hh] = (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
+      st.masked_any |= need_mask[hh];
+    }
+    if constexpr (!kI8) {
+      // A score of exactly -inf (an infinite k element) must make its rows
+      // NaN (docs/SEMANTICS.md, "Non-finite values"), not look masked: 0 * s +
+      // s is NaN for an infinite s and s for every finite one. A step with a
+      // masked score applies it here, before the masks write -inf; the others
+      // in the exponent's argument (exponentiate), off the row max's path:
+      // -inf and NaN never set a max, and a +inf max makes the row NaN too.
+      if (st.masked_any) {
+#pragma unroll
+        for (int j = 0; j < NS; ++j) s[j] = __fmaf_rn(0.f, s[j], s[j]);
+      }
     }
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) {
       const int key0 = kb[hh] * 64;
-      const bool need_mask = (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
-      st.masked_any |= need_mask;
-      if (need_mask) {
+      if (need_mask[hh]) {
 #pragma unroll
         for (int jj = 0; jj < 32; ++jj) {
           const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
@@ -171,12 +180,15 @@ struct OnlineSoftmax {
       mn0 = fmaxf(m0, mx0);
       mn1 = fmaxf(m1, mx1);
     } else {
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+      // Each row's NS / 2 scores by a tree (depth log2 instead of a chain).
+      float r0[NS / 2], r1[NS / 2];
 #pragma unroll
       for (int j = 0; j < NS; ++j) {
-        if (j & 2) mx1 = fmaxf(mx1, s[j]);
-        else mx0 = fmaxf(mx0, s[j]);
+        if (j & 2) r1[(j >> 2) * 2 + (j & 1)] = s[j];
+        else r0[(j >> 2) * 2 + (j & 1)] = s[j];
       }
+      auto mx = [](float a, float b) { return fmaxf(a, b); };
+      float mx0 = tree_reduce(r0, mx), mx1 = tree_reduce(r1, mx);
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
@@ -226,7 +238,9 @@ struct OnlineSoftmax {
             const float sj = kI2fp ? __int2float_rn(s[j]) : small_int_to_float(s[j]);
             arg = fmaf(sj, (j & 2) ? st.f1[j / 32] : st.f0[j / 32], (j & 2) ? st.c1 : st.c0);
           } else {
-            arg = fmaf(s[j], p.scale_log2, (j & 2) ? st.c1 : st.c0);
+            // Unmasked steps: 0 * s + s here (row_max applied it to masked ones).
+            const float sj = decltype(masked)::value ? s[j] : __fmaf_rn(0.f, s[j], s[j]);
+            arg = fmaf(sj, p.scale_log2, (j & 2) ? st.c1 : st.c0);
           }
           // (jj is a constant after unrolling: this selects code, not data.)
           constexpr int kEvery = kPoly > 0 ? kPoly : 1;
