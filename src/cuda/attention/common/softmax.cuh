@@ -132,38 +132,57 @@ struct OnlineSoftmax {
                                                float& alpha0, float& alpha1) {
     StepScale st;
     st.masked_any = false;
-    if constexpr (!kI8) {
-      // A score of exactly -inf (an infinite k element) must make its rows
-      // NaN (docs/SEMANTICS.md, "Non-finite values"), not look masked: 0 * s +
-      // s is NaN for an infinite s and s for every finite one. A step with a
-      // masked score (the test below) applies it here, before the masks write
-      // -inf; the others in the exponent's argument (exponentiate), off the
-      // row max's path: -inf and NaN never set a max, and a +inf max makes the
-      // row NaN too.
-      bool any = false;
+    // The masked scores of a step: kMasked where a listed block is missing,
+    // past the ragged end or (causal) past a row's diagonal. The two arms
+    // differ only in the FP16 mode's non-finite rule; each keeps the code its
+    // kernels were measured with (PERF-NOTES v67).
+    if constexpr (kI8) {
 #pragma unroll
       for (int hh = 0; hh < kHalves; ++hh) {
         const int key0 = kb[hh] * 64;
-        any |= (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
+        const bool need_mask = (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
+        st.masked_any |= need_mask;
+        if (need_mask) {
+#pragma unroll
+          for (int jj = 0; jj < 32; ++jj) {
+            const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
+            const int row = (jj & 2) ? row1 : row0;
+            bool ok = (kb[hh] >= 0) && key < p.Lkv;
+            if (kCausal) ok = ok && (key <= row + diag);
+            if (!ok) s[hh * 32 + jj] = kMasked;
+          }
+        }
       }
-      if (any) {
+    } else {
+      bool need_mask[kHalves];
+#pragma unroll
+      for (int hh = 0; hh < kHalves; ++hh) {
+        const int key0 = kb[hh] * 64;
+        need_mask[hh] = (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
+        st.masked_any |= need_mask[hh];
+      }
+      // A score of exactly -inf (an infinite k element) must make its rows
+      // NaN (docs/SEMANTICS.md, "Non-finite values"), not look masked: 0 * s +
+      // s is NaN for an infinite s and s for every finite one. A step with a
+      // masked score applies it here, before the masks write -inf; the others
+      // in the exponent's argument (exponentiate), off the row max's path:
+      // -inf and NaN never set a max, and a +inf max makes the row NaN too.
+      if (st.masked_any) {
 #pragma unroll
         for (int j = 0; j < NS; ++j) s[j] = __fmaf_rn(0.f, s[j], s[j]);
       }
-    }
 #pragma unroll
-    for (int hh = 0; hh < kHalves; ++hh) {
-      const int key0 = kb[hh] * 64;
-      const bool need_mask = (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
-      st.masked_any |= need_mask;
-      if (need_mask) {
+      for (int hh = 0; hh < kHalves; ++hh) {
+        const int key0 = kb[hh] * 64;
+        if (need_mask[hh]) {
 #pragma unroll
-        for (int jj = 0; jj < 32; ++jj) {
-          const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
-          const int row = (jj & 2) ? row1 : row0;
-          bool ok = (kb[hh] >= 0) && key < p.Lkv;
-          if (kCausal) ok = ok && (key <= row + diag);
-          if (!ok) s[hh * 32 + jj] = kMasked;
+          for (int jj = 0; jj < 32; ++jj) {
+            const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
+            const int row = (jj & 2) ? row1 : row0;
+            bool ok = (kb[hh] >= 0) && key < p.Lkv;
+            if (kCausal) ok = ok && (key <= row + diag);
+            if (!ok) s[hh * 32 + jj] = kMasked;
+          }
         }
       }
     }
