@@ -122,6 +122,20 @@ struct OnlineSoftmax {
     bool masked_any;
   };
 
+  // The masked scores of listed block kb (slot hh of the step, first key
+  // key0) set to kMasked: a missing block, keys past Lkv, (causal) keys past
+  // a row's diagonal.
+  __device__ __forceinline__ void mask_block(Acc (&s)[NS], int hh, int kb, int key0) const {
+#pragma unroll
+    for (int jj = 0; jj < 32; ++jj) {
+      const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
+      const int row = (jj & 2) ? row1 : row0;
+      bool ok = (kb >= 0) && key < p.Lkv;
+      if (kCausal) ok = ok && (key <= row + diag);
+      if (!ok) s[hh * 32 + jj] = kMasked;
+    }
+  }
+
   // Phase 1 (reads the scores only, so it can run while the previous P.V is
   // in flight): masks, takes the row max, updates m and returns the step's
   // scale and the rescale factors of the previous state. kI8: per 64-key
@@ -142,16 +156,7 @@ struct OnlineSoftmax {
         const int key0 = kb[hh] * 64;
         const bool need_mask = (kb[hh] < 0) || (key0 + 64 > p.Lkv) || (kCausal && key0 + 63 > wg_row_min + diag);
         st.masked_any |= need_mask;
-        if (need_mask) {
-#pragma unroll
-          for (int jj = 0; jj < 32; ++jj) {
-            const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
-            const int row = (jj & 2) ? row1 : row0;
-            bool ok = (kb[hh] >= 0) && key < p.Lkv;
-            if (kCausal) ok = ok && (key <= row + diag);
-            if (!ok) s[hh * 32 + jj] = kMasked;
-          }
-        }
+        if (need_mask) mask_block(s, hh, kb[hh], key0);
       }
     } else {
       bool need_mask[kHalves];
@@ -174,16 +179,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int hh = 0; hh < kHalves; ++hh) {
         const int key0 = kb[hh] * 64;
-        if (need_mask[hh]) {
-#pragma unroll
-          for (int jj = 0; jj < 32; ++jj) {
-            const int key = key0 + 8 * (jj / 4) + 2 * quad + (jj & 1);
-            const int row = (jj & 2) ? row1 : row0;
-            bool ok = (kb[hh] >= 0) && key < p.Lkv;
-            if (kCausal) ok = ok && (key <= row + diag);
-            if (!ok) s[hh * 32 + jj] = kMasked;
-          }
-        }
+        if (need_mask[hh]) mask_block(s, hh, kb[hh], key0);
       }
     }
     float mn0, mn1;
