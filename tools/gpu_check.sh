@@ -23,7 +23,8 @@
 #   grid      tools/bench/grid.py: the benchmark grid (B x N x D x causal) through the Python API,
 #             libsparge (default precision auto) dense and empty mask against torch SDPA cuDNN and FA2 (grid.csv, grid.md)
 #   ncusrc    Nsight Compute full set on the same kernel: pipe utilization, stall reasons,
-#             and a per-SASS-instruction CSV (sass_source.csv)
+#             and a per-SASS-instruction CSV (sass_source.csv), summarized into ncusrc.log by
+#             tools/bench/sass_stalls.py (the main loop's instructions, samples per opcode and reason)
 #   ab        A/B against another source tree (AB_BASE): builds it into build-ab/, then
 #             tools/bench/ab_compare.py runs both trees' sparge_bench alternately (ab.csv)
 #   abenv     a developer switch (AB_ENV) against the default on this build: grid.py alternately
@@ -40,6 +41,8 @@
 #   OUT (where logs go; default ./gpu_check_out)   JOBS (16)
 #   BENCH_ARGS (extra sparge_bench arguments, e.g. --n64k)
 #   NCU_KERNEL_REGEX (regex:MainloopInt8Fp8, matched against demangled names)
+#   NCUSRC_ARGS (the ncusrc stage's sparge_bench arguments; default "--n 16384 --d 128 --causal 0 --modes dense";
+#   e.g. NCU_KERNEL_REGEX=regex:Mainloop16 NCUSRC_ARGS="--batch 8 --n 8k --d 128 --causal 0 --modes fp16")
 #   SPARGE_TEST_SEED (reproduce a test run)
 #   AB_BASE (a source tree to compare against in the ab stage; AB_ARGS: its sparge_bench
 #   arguments; AB_ROUNDS (3): alternating rounds; AB_GRID: tools/bench/grid.py arguments, which
@@ -517,15 +520,17 @@ if want ncusrc; then
     rep="$BUILD/attn_profile"
     rm -f "$rep.ncu-rep"
     rc1=0
+    # shellcheck disable=SC2086
     run_to "$LOG/ncusrc.log" "$(allow 200)" ncu --clock-control none --kernel-name-base demangled -k "$KRE" --launch-skip 1 -c 1 --set full \
-      --import-source no -o "$rep" "$BENCH" --n 16384 --d 128 --causal 0 --modes dense --warmup 1 --min-iters 1 \
-      --max-iters 1 || rc1=$?
+      --import-source no -o "$rep" "$BENCH" ${NCUSRC_ARGS:---n 16384 --d 128 --causal 0 --modes dense} --warmup 1 \
+      --min-iters 1 --max-iters 1 || rc1=$?
     if [ -f "$rep.ncu-rep" ]; then
       ncu -i "$rep.ncu-rep" --page details --print-details all >>"$LOG/ncusrc.log" 2>&1
       ncu -i "$rep.ncu-rep" --page raw --csv --metrics \
         "regex:^sm__inst_executed_pipe_.*pct_of_peak_sustained_active$,regex:^sm__pipe_.*cycles_active.avg.pct_of_peak_sustained_active$,regex:^smsp__pcsamp_warps_issue_stalled_[a-z_]+$" \
         >>"$LOG/ncusrc.log" 2>&1
       ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$LOG/sass_source.csv" 2>&1
+      python3 "$ROOT/tools/bench/sass_stalls.py" "$LOG/sass_source.csv" --top 25 >>"$LOG/ncusrc.log" 2>&1
     fi
     st=ok
     ((rc1 != 0)) && st=FAIL
