@@ -70,8 +70,8 @@ __device__ __forceinline__ T tree_reduce(T (&v)[N], Op op) {
 // threads of a quad: registers acc[off .. off + 32) of this thread, those with
 // (j & 2) set in its second row. INT32_MIN (below any product sum) where every
 // score of the block is masked. `off` is a constant after unrolling.
-// (A chain here, not tree_reduce: the tree measured +1 … +3 % on the INT8_FP8
-// kernel at D = 128, PERF-NOTES v67.)
+// (A chain here, not tree_reduce: the int8 kernels built with the tree ran
+// 1-3 % slower at D = 128, PERF-NOTES v67.)
 template <int NS>
 __device__ __forceinline__ void quad_row_max_s32(const int32_t (&acc)[NS], int off, int32_t& im0, int32_t& im1) {
   im0 = INT32_MIN;
