@@ -124,7 +124,9 @@ struct OnlineSoftmax {
 
   // The masked scores of listed block kb (slot hh of the step, first key
   // key0) set to kMasked: a missing block, keys past Lkv, (causal) keys past
-  // a row's diagonal.
+  // a row's diagonal. (key0 comes from the caller, which has it: recomputing
+  // it here, or the need-mask test in a helper, changes the code ptxas emits
+  // for the measured kernels, the portable int8 ones among them.)
   __device__ __forceinline__ void mask_block(Acc (&s)[NS], int hh, int kb, int key0) const {
 #pragma unroll
     for (int jj = 0; jj < 32; ++jj) {
