@@ -44,6 +44,8 @@
 #   NCUSRC_ARGS (the ncusrc stage's sparge_bench arguments; default "--n 16384 --d 128 --causal 0 --modes dense";
 #   e.g. NCU_KERNEL_REGEX=regex:Mainloop16 NCUSRC_ARGS="--batch 8 --n 8k --d 128 --causal 0 --modes fp16")
 #   SPARGE_TEST_SEED (reproduce a test run)
+#   AB_OVERLAY (instead of AB_BASE: a directory written by tools/ab_base.sh REV DIR; the base is
+#   this tree with REV's versions of the files that changed since REV)
 #   AB_BASE (a source tree to compare against in the ab stage; AB_ARGS: its sparge_bench
 #   arguments; AB_ROUNDS (3): alternating rounds; AB_GRID: tools/bench/grid.py arguments, which
 #   then also runs on both trees' libraries, e.g. "--b 64 --n 1k --d 128,64 --causal 0" for empty masks)
@@ -350,6 +352,18 @@ fi
 if want ab; then
   banner ab
   s=$(date +%s)
+  # AB_OVERLAY (tools/ab_base.sh): the base is a copy of this tree with the overlay's files laid
+  # over it and the files it lists in .ab_removed deleted.
+  if [ -z "${AB_BASE:-}" ] && [ -n "${AB_OVERLAY:-}" ] && [ -f "$AB_OVERLAY/.ab_removed" ]; then
+    AB_BASE=$ROOT/build-ab-src
+    rm -rf "$AB_BASE" && mkdir -p "$AB_BASE"
+    tar -C "$ROOT" --exclude='./build*' --exclude=./.git --exclude=./.deps --exclude="./$(basename "$OUTDIR")" \
+      -cf - . | tar -C "$AB_BASE" -xf -
+    cp -r "$AB_OVERLAY/." "$AB_BASE/"
+    while IFS= read -r f; do [ -n "$f" ] && rm -f "$AB_BASE/$f"; done <"$AB_OVERLAY/.ab_removed"
+    rm -f "$AB_BASE/.ab_removed"
+    echo "ab: base = this tree with the overlay $AB_OVERLAY ($(find "$AB_OVERLAY" -type f ! -name .ab_removed | wc -l) file(s) replaced, $(grep -c . "$AB_OVERLAY/.ab_removed") removed)" | tee -a "$LOG/ab.log"
+  fi
   if ((BUILT == 0)) || [ ! -x "$BENCH" ]; then
     note ab skip 0 "no build"
   elif [ -z "${AB_BASE:-}" ] || [ ! -f "${AB_BASE}/CMakeLists.txt" ]; then
