@@ -14,7 +14,7 @@
 4. With --ours CSV (sparge_bench output): a side-by-side table.
 
 Usage: anchors.py --lib build/libsparge.so [--ours bench.csv] [--csv anchors.csv]
-                  [--n 8k,16k,32k] [--d 128,64] [--skip-sdpa] [--skip-accuracy]
+                  [--n 8k,16k,32k] [--d 128,64] [--skip-sdpa] [--skip-accuracy] [--seed N]
 """
 import argparse
 import csv
@@ -230,9 +230,12 @@ def accuracy(args, rows):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     N, D, H = 8192, 128, args.heads
     print("\n## Accuracy vs SDPA in float32 (N=%d, H=%d, D=%d, bf16 inputs)\n" % (N, H, D))
+    # A fresh seed per run unless --seed is given (the same inputs for an A/B of two libraries); printed either way.
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print("Inputs: seed %d (--seed %d repeats them).\n" % (seed, seed))
     print("| inputs | causal | output | cosine | rel. L1 | bar |\n|---|:---:|---|---:|---:|---|")
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    gen.manual_seed(seed)
     for kind in ("normal", "outliers"):
         q, k, v = (torch.randn(1, H, N, D, device="cuda", generator=gen) for _ in range(3))
         if kind == "outliers":  # smooth per-channel offset on K, a few channels x20 in Q and K
@@ -323,6 +326,7 @@ def main():
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-ceilings", action="store_true")
+    ap.add_argument("--seed", type=int, help="the accuracy inputs' seed (default: a fresh one, printed)")
     args = ap.parse_args()
     args.n = parse_ns(args.n)
     args.d = [int(x) for x in args.d.split(",") if x]
