@@ -353,21 +353,26 @@ if want ab; then
   banner ab
   s=$(date +%s)
   # AB_OVERLAY (tools/ab_base.sh): the base is a copy of this tree with the overlay's files laid
-  # over it and the files it lists in .ab_removed deleted.
-  if [ -z "${AB_BASE:-}" ] && [ -n "${AB_OVERLAY:-}" ] && [ -f "$AB_OVERLAY/.ab_removed" ]; then
-    AB_BASE=$ROOT/build-ab-src
-    rm -rf "$AB_BASE" && mkdir -p "$AB_BASE"
-    tar -C "$ROOT" --exclude='./build*' --exclude=./.git --exclude=./.deps --exclude="./$(basename "$OUTDIR")" \
-      -cf - . | tar -C "$AB_BASE" -xf -
-    cp -r "$AB_OVERLAY/." "$AB_BASE/"
-    while IFS= read -r f; do [ -n "$f" ] && rm -f "$AB_BASE/$f"; done <"$AB_OVERLAY/.ab_removed"
-    rm -f "$AB_BASE/.ab_removed"
-    echo "ab: base = this tree with the overlay $AB_OVERLAY ($(find "$AB_OVERLAY" -type f ! -name .ab_removed | wc -l) file(s) replaced, $(grep -c . "$AB_OVERLAY/.ab_removed") removed)" | tee -a "$LOG/ab.log"
+  # over it and the files it lists in .ab_removed deleted (only when there is a build to compare).
+  ab_skip="AB_BASE is not a source tree"
+  if [ -z "${AB_BASE:-}" ] && [ -n "${AB_OVERLAY:-}" ] && ((BUILT == 1)) && [ -x "$BENCH" ]; then
+    if [ -f "$AB_OVERLAY/.ab_removed" ]; then
+      AB_BASE=$ROOT/build-ab-src
+      rm -rf "$AB_BASE" && mkdir -p "$AB_BASE"
+      tar -C "$ROOT" --exclude='./build*' --exclude=./.git --exclude=./.deps --exclude="./$(basename "$OUTDIR")" \
+        -cf - . | tar -C "$AB_BASE" -xf -
+      cp -r "$AB_OVERLAY/." "$AB_BASE/"
+      while IFS= read -r f; do [ -n "$f" ] && rm -f "$AB_BASE/$f"; done <"$AB_OVERLAY/.ab_removed"
+      rm -f "$AB_BASE/.ab_removed"
+      echo "ab: base = this tree with the overlay $AB_OVERLAY ($(find "$AB_OVERLAY" -type f ! -name .ab_removed | wc -l) file(s) replaced, $(grep -c . "$AB_OVERLAY/.ab_removed") removed)" | tee -a "$LOG/ab.log"
+    else
+      ab_skip="AB_OVERLAY has no .ab_removed (tools/ab_base.sh REV DIR writes it)"
+    fi
   fi
   if ((BUILT == 0)) || [ ! -x "$BENCH" ]; then
     note ab skip 0 "no build"
   elif [ -z "${AB_BASE:-}" ] || [ ! -f "${AB_BASE}/CMakeLists.txt" ]; then
-    note ab skip 0 "AB_BASE is not a source tree"
+    note ab skip 0 "$ab_skip"
   else
     ABB=$ROOT/build-ab
     rc=0
