@@ -44,11 +44,13 @@ namespace cuda {
 namespace sm90 {
 
 // setmaxnreg budgets: 128*24 + 256*240 <= 64K registers of the SM (two
-// consumer warpgroups); 128*32 + 384*160 = 64K (three).
-template <int kCW>
+// consumer warpgroups); 128*32 + 384*160 = 64K (three); two CTAs per SM
+// (kOcc 2) launch at 80 registers (2 * 384 * 80 <= 64K), and a CTA's 30 720
+// hold 128*24 + 256*104.
+template <int kCW, int kOcc = 1>
 constexpr uint32_t kProducerRegs = kCW == 2 ? 24 : 32;
-template <int kCW>
-constexpr uint32_t kConsumerRegs = kCW == 2 ? 240 : 160;
+template <int kCW, int kOcc = 1>
+constexpr uint32_t kConsumerRegs = kOcc == 2 ? 104 : kCW == 2 ? 240 : 160;
 // The consumer warpgroup that takes the turn after cw.
 template <int kCW>
 __device__ __forceinline__ int next_consumer(int cw) {
@@ -395,7 +397,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs<kCW>>();
+    regs_dealloc<kProducerRegs<kCW, ML::kOcc>>();
     if (threadIdx.x != 0) return;
     int g = 0, i = 0;  // the ring's steps so far; this CTA's rows so far
     for (int k = 0;; ++k) {
@@ -444,7 +446,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
     return;
   }
 
-  regs_alloc<kConsumerRegs<kCW>>();
+  regs_alloc<kConsumerRegs<kCW, ML::kOcc>>();
   const int tid = threadIdx.x - 128 * wg;
   if constexpr (kQBufs == 2 && !ML::kCausalC) {
     consume_stream<ML>(maps, p, ring, qfull, qempty, qbuf, tid);
@@ -502,7 +504,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs<kCW>>();
+    regs_dealloc<kProducerRegs<kCW, ML::kOcc>>();
     if (threadIdx.x == 0) {
       produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
     } else if (threadIdx.x >= 32 && threadIdx.x < 64) {
@@ -511,7 +513,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
     return;
   }
 
-  regs_alloc<kConsumerRegs<kCW>>();
+  regs_alloc<kConsumerRegs<kCW, ML::kOcc>>();
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
   trace_event(p, wg - 1, 0);
@@ -521,9 +523,10 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
 }
 
 // kPersist: dense work on persistent CTAs (persistent_cta; the grid is at
-// most one CTA per SM); else one CTA per mask row (row_cta).
+// most one CTA per SM); else one CTA per mask row (row_cta), ML::kOcc of them
+// per SM.
 template <class ML, bool kPersist>
-__global__ void __launch_bounds__(ML::kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
+__global__ void __launch_bounds__(ML::kThreads, ML::kOcc) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   extern __shared__ uint8_t smem_raw[];

@@ -102,6 +102,19 @@ bool use_wide() {
   return true;
 }
 
+bool use_short(const Problem& pb, int sm_count) {
+  const int sw = dev_switches().shrt;
+  if (sw >= 0) return sw == 1;
+  // Predicted, not yet measured (PERF-NOTES v71): v48's experiment of this
+  // kernel gained 10 % (13 % causal) at 64x12x1Kx64 over the two-consumer
+  // kernel and lost 10-15 % on single rows of 1K-8K keys; non-causal dense
+  // calls have since become faster on the three-consumer kernel (v54, v67)
+  // than v48's figure, so: causal calls with rows of <= 2K keys and at least
+  // four 128-row tiles per SM.
+  if (sm_count <= 0 || gpu_kernel_head_dim(pb.D) != 64 || !pb.causal) return false;
+  return pb.nKB <= 32 && pb.B * pb.Hq * pb.nQB >= 4 * int64_t(sm_count);
+}
+
 bool use_persistent(const Problem& pb, int sm_count, int consumers) {
   const int sw = dev_switches().persist;
   if (sw >= 0) return sw == 1;
