@@ -231,6 +231,56 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   }
 }
 
+// The steps of one row without turns (mainloops with kSerialSteps: the
+// short-row kernel, whose 104-register consumers cannot hold a step's scores
+// beside the operands of the previous P.V still in flight, so ptxas would
+// serialize the wgmmas). A warpgroup issues Q.K^T(u), waits for it, takes
+// the step's softmax (O *= alpha first), issues P.V(u) and waits for it; the
+// SM's other consumer warpgroups (two per CTA, two CTAs) fill the tensor pipe
+// meanwhile. Every stage still gets its arrivals from every consumer thread.
+template <class ML, class C, class Ring>
+__device__ __forceinline__ void consume_serial(C& c, const RowWork& w, const Ring& ring, int n_steps) {
+  constexpr int kHalves = ML::kHalves, kStages = Ring::kStagesC;
+  const int n_mine = visible_steps<ML>(c, w, n_steps);  // uniform over the warpgroup
+  uint32_t pa[ML::KS][4];
+  int kb[kHalves];
+  float ksc[kHalves];
+  float ap0 = 1.f, ap1 = 1.f;  // the last step's rescale factors
+  for (int u = 0; u < n_mine; ++u) {
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) kb[hh] = w.block<kHalves>(u, hh);
+    c.load_kscale(kb, ksc);
+    ring.wait_k(u);
+    wgmma_fence();
+    c.issue_qk(c.desc_k(u % kStages));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(c.s);
+    ring.release_k(u);
+    float ac0, ac1;
+    const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
+    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+      if (u > 0) c.after_pv(ap0, ap1, ac0, ac1);  // O *= alpha(u); O is still 0 at step 0
+    });
+    ring.wait_v(u);
+    wgmma_fence();
+    c.issue_pv(c.desc_v(u % kStages), pa);
+    wgmma_commit();
+    wgmma_wait<0>();
+    c.fence_pv();
+    ring.release_v(u);
+    ap0 = ac0;
+    ap1 = ac1;
+  }
+  if (n_mine > 0) c.after_last_pv(ap0, ap1);
+  for (int u = n_mine; u < n_steps; ++u) {  // steps these rows cannot see: released once loaded
+    ring.wait_k(u);
+    ring.wait_v(u);
+    ring.release_k(u);
+    ring.release_v(u);
+  }
+}
+
 // The consumers of a persistent CTA with two Q buffers: one software pipeline
 // across the CTA's rows. The first step of a row is issued in the same turn
 // as the last P.V of the row before (its Q already loaded into the other
@@ -517,7 +567,10 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
   trace_event(p, wg - 1, 0);
-  consume<ML>(c, w, ring, n_steps);
+  if constexpr (ML::kSerialSteps)
+    consume_serial<ML>(c, w, ring, n_steps);
+  else
+    consume<ML>(c, w, ring, n_steps);
   c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
   trace_done(p, wg - 1);
 }

@@ -77,6 +77,8 @@ struct Mainloop16 {
   static constexpr bool kI2fp = kI8 && Dk == 64 && !kCausal;
   static constexpr int kPoly = 0;
   static constexpr bool kMaxUnderPV = true;
+  // The short-row kernel's steps without turns (kernel.cuh, consume_serial).
+  static constexpr bool kSerialSteps = kOcc == 2;
   // Dense work may run on persistent CTAs (kernel.cuh: persistent_cta).
   static constexpr bool kPersistOK = !kI8 && kOcc == 1;
 

@@ -39,6 +39,7 @@ struct MainloopInt8Fp8 {
   using Wide = void;   // no dense-call variant
   using Short = void;  // no short-row variant
   static constexpr int kOcc = 1;  // CTAs per SM
+  static constexpr bool kSerialSteps = false;
   static constexpr int kHeadDim = D;
   static constexpr bool kI8C = true, kFp8PV = true;
   static constexpr bool kCausalC = kCausal;
