@@ -268,6 +268,7 @@ __device__ __forceinline__ void consume_serial(C& c, const RowWork& w, const Rin
     wgmma_commit();
     wgmma_wait<0>();
     c.fence_pv();
+    fence_regs(pa);  // the next step's P is written after P.V(u) has read this one
     ring.release_v(u);
     ap0 = ac0;
     ap1 = ac1;
