@@ -202,7 +202,7 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   // Many short rows take the mainloop's short-row variant where it has one
   // (use_short's rule), dense or masked.
   if constexpr (!std::is_void<typename ML::Short>::value) {
-    if (use_short(a.prob, a.sm_count)) {
+    if (use_short(a.prob, a.sm_count, a.idx != nullptr)) {
       s->shrt = 1;
       return setup_launch<typename ML::Short>(a, s, applies);
     }

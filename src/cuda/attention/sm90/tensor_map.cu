@@ -102,17 +102,19 @@ bool use_wide() {
   return true;
 }
 
-bool use_short(const Problem& pb, int sm_count) {
+bool use_short(const Problem& pb, int sm_count, bool masked) {
   const int sw = dev_switches().shrt;
   if (sw >= 0) return sw == 1;
-  // Predicted, not yet measured (PERF-NOTES v71): v48's experiment of this
-  // kernel gained 10 % (13 % causal) at 64x12x1Kx64 over the two-consumer
-  // kernel and lost 10-15 % on single rows of 1K-8K keys; non-causal dense
-  // calls have since become faster on the three-consumer kernel (v54, v67)
-  // than v48's figure, so: causal calls with rows of <= 2K keys and at least
-  // four 128-row tiles per SM.
-  if (sm_count <= 0 || gpu_kernel_head_dim(pb.D) != 64 || !pb.causal) return false;
-  return pb.nKB <= 32 && pb.B * pb.Hq * pb.nQB >= 4 * int64_t(sm_count);
+  // Measured (PERF-NOTES v71, H100): with at least four 128-row tiles per SM
+  // the short-row kernel took 64x12x1Kx64 causal 0.400 -> 0.328 ms, 8x12x1K
+  // causal 0.062 -> 0.054, non-causal 0.079 -> 0.071, the causal 2K shapes
+  // -2 ... -4 %, and masked calls at 8K -3 ... -28 % at densities 0.1-0.2
+  // (level at 0.5); it lost on dense rows of 2K non-causal and of 4K-8K
+  // (+8 ... +36 %) and wherever tiles were few (1x12: +5 ... +57 %).
+  if (sm_count <= 0 || gpu_kernel_head_dim(pb.D) != 64) return false;
+  if (pb.B * pb.Hq * pb.nQB < 4 * int64_t(sm_count)) return false;
+  if (masked) return pb.nKB <= 128;
+  return pb.nKB <= (pb.causal ? 32 : 16);
 }
 
 bool use_persistent(const Problem& pb, int sm_count, int consumers) {
