@@ -56,6 +56,7 @@
 #   GPU_CHECK_PORTABLE_FP16 (1; 0 skips the attention tests on the portable FP16-mode kernel)
 #   GPU_CHECK_DIRECT_EPILOGUE (1; 0 skips the attention tests with the direct-store epilogue)
 #   GPU_CHECK_PERSIST (1; 0 skips the attention tests with every dense FP16 call on 3 persistent CTAs)
+#   GPU_CHECK_SHORT (1; 0 skips the attention tests with every D = 64 FP16 call on the short-row kernel)
 #   GPU_CHECK_COMMIT (the commit to report, for a copy of the tree without current git metadata)
 #   GPU_CHECK_ARCHS (the builds' SPARGE_CUDA_ARCHS, e.g. 90a: SASS for this GPU only, a shorter build;
 #   unset: CMake's default or what the build folder has; GPU_CHECK_PTX: SPARGE_CUDA_PTX with it, default none)
@@ -73,7 +74,8 @@ set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # Kernel choice is set per stage below, never inherited.
-unset SPARGE_FP16_KERNEL SPARGE_SM90_EPILOGUE SPARGE_PDL SPARGE_SM90_PERSIST SPARGE_SM90_PERSIST_GRID
+unset SPARGE_FP16_KERNEL SPARGE_SM90_EPILOGUE SPARGE_PDL SPARGE_SM90_PERSIST SPARGE_SM90_PERSIST_GRID SPARGE_SM90_WIDE \
+  SPARGE_SM90_SHORT
 ROOT=$PWD
 BUILD=${BUILD_DIR:-build-gpu}
 OUTDIR=${OUT:-$ROOT/gpu_check_out}
@@ -237,6 +239,14 @@ if want test; then
       rc=$?
       ((rc != 0 && rc != 77)) && fails+=("persistent rc=$rc")
     fi
+    # Every FP16 call at D = 64 on the short-row kernel (two CTAs per SM,
+    # 64-key steps), dense and masked.
+    if [ "${GPU_CHECK_SHORT:-1}" != 0 ]; then
+      run_to "$LOG/test.log" "$(allow 120)" env SPARGE_SM90_SHORT=1 SPARGE_FP16_KERNEL=sm90 \
+        "$GPU_TESTS" '[attention]~[large]' -r compact
+      rc=$?
+      ((rc != 0 && rc != 77)) && fails+=("short-row rc=$rc")
+    fi
     acc=$(grep -c '^ACC .* FAIL$' "$LOG/test.log")
     tot=$(grep -c '^ACC ' "$LOG/test.log")
     summary_line=$(grep -E '^(test cases|All tests passed|Failed)' "$LOG/test.log" | tail -n 2 | tr '\n' ' ')
@@ -287,6 +297,10 @@ if want sanitize; then
     # its barriers and shared memory.
     for tool in synccheck racecheck memcheck; do
       sanitize "persistent $tool" "$tool" 150 '[attention][sanitize]' SPARGE_SM90_PERSIST=1 SPARGE_SM90_PERSIST_GRID=3
+    done
+    # The short-row kernel (two CTAs per SM share the SM's barriers and memory).
+    for tool in synccheck racecheck memcheck; do
+      sanitize "short-row $tool" "$tool" 150 '[attention][sanitize]' SPARGE_SM90_SHORT=1
     done
     st=ok
     [[ "${res[*]}" == *ERRORS* || "${res[*]}" == *rc=* || "${res[*]}" == *timeout* ]] && st=FAIL

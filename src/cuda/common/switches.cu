@@ -30,6 +30,8 @@ const DevSwitches& dev_switches() {
     if (const char* g = std::getenv("SPARGE_SM90_PERSIST_GRID")) d.persist_grid = std::max(0, std::atoi(g));
     if (env_is("SPARGE_SM90_WIDE", "0")) d.wide = 0;
     if (env_is("SPARGE_SM90_WIDE", "1")) d.wide = 1;
+    if (env_is("SPARGE_SM90_SHORT", "0")) d.shrt = 0;
+    if (env_is("SPARGE_SM90_SHORT", "1")) d.shrt = 1;
     return d;
   }();
   return s;

@@ -17,6 +17,9 @@
 //                                 on small problems)
 //   SPARGE_SM90_WIDE=0            dense FP16 calls at D = 64 run the masked calls'
 //                                 two-consumer kernel instead of the three-consumer one
+//   SPARGE_SM90_SHORT=0 / 1       FP16 calls at D = 64 never / always run the short-row
+//                                 kernel (two CTAs per SM, 64-key steps; default: where
+//                                 the rule of sm90::use_short says)
 // and one documented setting (docs/API.md), read the same way:
 //   SPARGE_KERNEL_FAMILY=portable plans choose the portable (mma.sync) family on any
 //                                 GPU, also where an architecture-specific one exists
@@ -36,6 +39,7 @@ struct DevSwitches {
   int persist = -1;      // SPARGE_SM90_PERSIST: 0, 1, or -1 (the rule)
   int persist_grid = 0;  // SPARGE_SM90_PERSIST_GRID: the most persistent CTAs (0: one per SM)
   int wide = -1;         // SPARGE_SM90_WIDE: 0, 1, or -1 (the default: wide)
+  int shrt = -1;         // SPARGE_SM90_SHORT: 0, 1, or -1 (the rule)
 };
 
 const DevSwitches& dev_switches();

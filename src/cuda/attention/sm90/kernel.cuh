@@ -44,11 +44,13 @@ namespace cuda {
 namespace sm90 {
 
 // setmaxnreg budgets: 128*24 + 256*240 <= 64K registers of the SM (two
-// consumer warpgroups); 128*32 + 384*160 = 64K (three).
-template <int kCW>
+// consumer warpgroups); 128*32 + 384*160 = 64K (three); two CTAs per SM
+// (kOcc 2) launch at 80 registers (2 * 384 * 80 <= 64K), and a CTA's 30 720
+// hold 128*24 + 256*104.
+template <int kCW, int kOcc = 1>
 constexpr uint32_t kProducerRegs = kCW == 2 ? 24 : 32;
-template <int kCW>
-constexpr uint32_t kConsumerRegs = kCW == 2 ? 240 : 160;
+template <int kCW, int kOcc = 1>
+constexpr uint32_t kConsumerRegs = kOcc == 2 ? 104 : kCW == 2 ? 240 : 160;
 // The consumer warpgroup that takes the turn after cw.
 template <int kCW>
 __device__ __forceinline__ int next_consumer(int cw) {
@@ -229,6 +231,57 @@ __device__ __forceinline__ void consume(C& c, const RowWork& w, const Ring& ring
   }
 }
 
+// The steps of one row without turns (mainloops with kSerialSteps: the
+// short-row kernel, whose 104-register consumers cannot hold a step's scores
+// beside the operands of the previous P.V still in flight, so ptxas would
+// serialize the wgmmas). A warpgroup issues Q.K^T(u), waits for it, takes
+// the step's softmax (O *= alpha first), issues P.V(u) and waits for it; the
+// SM's other consumer warpgroups (two per CTA, two CTAs) fill the tensor pipe
+// meanwhile. Every stage still gets its arrivals from every consumer thread.
+template <class ML, class C, class Ring>
+__device__ __forceinline__ void consume_serial(C& c, const RowWork& w, const Ring& ring, int n_steps) {
+  constexpr int kHalves = ML::kHalves, kStages = Ring::kStagesC;
+  const int n_mine = visible_steps<ML>(c, w, n_steps);  // uniform over the warpgroup
+  uint32_t pa[ML::KS][4];
+  int kb[kHalves];
+  float ksc[kHalves];
+  float ap0 = 1.f, ap1 = 1.f;  // the last step's rescale factors
+  for (int u = 0; u < n_mine; ++u) {
+#pragma unroll
+    for (int hh = 0; hh < kHalves; ++hh) kb[hh] = w.block<kHalves>(u, hh);
+    c.load_kscale(kb, ksc);
+    ring.wait_k(u);
+    wgmma_fence();
+    c.issue_qk(c.desc_k(u % kStages));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(c.s);
+    ring.release_k(u);
+    float ac0, ac1;
+    const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
+    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+      if (u > 0) c.after_pv(ap0, ap1, ac0, ac1);  // O *= alpha(u); O is still 0 at step 0
+    });
+    ring.wait_v(u);
+    wgmma_fence();
+    c.issue_pv(c.desc_v(u % kStages), pa);
+    wgmma_commit();
+    wgmma_wait<0>();
+    c.fence_pv();
+    fence_regs(pa);  // the next step's P is written after P.V(u) has read this one
+    ring.release_v(u);
+    ap0 = ac0;
+    ap1 = ac1;
+  }
+  if (n_mine > 0) c.after_last_pv(ap0, ap1);
+  for (int u = n_mine; u < n_steps; ++u) {  // steps these rows cannot see: released once loaded
+    ring.wait_k(u);
+    ring.wait_v(u);
+    ring.release_k(u);
+    ring.release_v(u);
+  }
+}
+
 // The consumers of a persistent CTA with two Q buffers: one software pipeline
 // across the CTA's rows. The first step of a row is issued in the same turn
 // as the last P.V of the row before (its Q already loaded into the other
@@ -395,7 +448,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs<kCW>>();
+    regs_dealloc<kProducerRegs<kCW, ML::kOcc>>();
     if (threadIdx.x != 0) return;
     int g = 0, i = 0;  // the ring's steps so far; this CTA's rows so far
     for (int k = 0;; ++k) {
@@ -444,7 +497,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
     return;
   }
 
-  regs_alloc<kConsumerRegs<kCW>>();
+  regs_alloc<kConsumerRegs<kCW, ML::kOcc>>();
   const int tid = threadIdx.x - 128 * wg;
   if constexpr (kQBufs == 2 && !ML::kCausalC) {
     consume_stream<ML>(maps, p, ring, qfull, qempty, qbuf, tid);
@@ -502,7 +555,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs<kCW>>();
+    regs_dealloc<kProducerRegs<kCW, ML::kOcc>>();
     if (threadIdx.x == 0) {
       produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
     } else if (threadIdx.x >= 32 && threadIdx.x < 64) {
@@ -511,19 +564,23 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
     return;
   }
 
-  regs_alloc<kConsumerRegs<kCW>>();
+  regs_alloc<kConsumerRegs<kCW, ML::kOcc>>();
   typename ML::Consumer c(p, wg - 1, threadIdx.x - 128 * wg, w, ring.base);
   mbar_wait(ring.qbar, 0);
   trace_event(p, wg - 1, 0);
-  consume<ML>(c, w, ring, n_steps);
+  if constexpr (ML::kSerialSteps)
+    consume_serial<ML>(c, w, ring, n_steps);
+  else
+    consume<ML>(c, w, ring, n_steps);
   c.epilogue(maps, ring.base, threadIdx.x - 128 * wg);
   trace_done(p, wg - 1);
 }
 
 // kPersist: dense work on persistent CTAs (persistent_cta; the grid is at
-// most one CTA per SM); else one CTA per mask row (row_cta).
+// most one CTA per SM); else one CTA per mask row (row_cta), ML::kOcc of them
+// per SM.
 template <class ML, bool kPersist>
-__global__ void __launch_bounds__(ML::kThreads, 1) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
+__global__ void __launch_bounds__(ML::kThreads, ML::kOcc) attn_sm90_kernel(const __grid_constant__ Maps maps, const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_grid_sync();  // launched by launch_pdl (cuda/common/launch.cuh)
   extern __shared__ uint8_t smem_raw[];

@@ -6,6 +6,8 @@
 #pragma once
 #include <cuda.h>
 
+#include <atomic>
+#include <cstdint>
 #include <new>
 #include <type_traits>
 
@@ -32,6 +34,7 @@ struct Sm90Launch {
   unsigned grid;
   int persist;  // attn_sm90_kernel<ML, true>: dense work on `grid` persistent CTAs
   int wide;     // the kernels of ML::Wide (a dense call; p counts its tiles)
+  int shrt;     // the kernel of ML::Short (two CTAs per SM)
 };
 static_assert(sizeof(Sm90Launch) <= sizeof(LaunchBlob), "the launch blob holds the sm_90a launch");
 static_assert(std::is_trivially_copyable<Sm90Launch>::value, "the launch blob is plain data");
@@ -91,6 +94,7 @@ template <class ML>
 sparge_status_t setup_launch(const AttnArgs& a, Sm90Launch* s, bool* applies) {
   using L = typename ML::Layout;
   static_assert(L::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
+  static_assert(ML::kOcc * (L::kAlloc + 1024) <= 228 * 1024, "kOcc CTAs per SM: 228 KiB, 1 KiB reserved per CTA");
   static_assert(!ML::kPersistOK || PersistLayout<L>::kAlloc <= 227 * 1024, "shared memory budget of sm_90");
   const Problem& pb = a.prob;
   s->p = attn::make_params(a);
@@ -174,6 +178,19 @@ sparge_status_t setup_launch(const AttnArgs& a, Sm90Launch* s, bool* applies) {
   // Once per kernel and device (cuda/common/launch.cuh); setup runs on the plan's device.
   SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&attn_sm90_kernel<ML, false>), int(L::kAlloc),
                               pb.device_id));
+  if constexpr (ML::kOcc > 1) {
+    // Shared memory for ML::kOcc CTAs per SM: the largest carveout, asked
+    // once per device (a hint the driver also follows unasked).
+    static std::atomic<uint64_t> carveout_set{0};
+    const uint64_t bit = pb.device_id >= 0 && pb.device_id < 64 ? uint64_t(1) << pb.device_id : 0;
+    if (bit == 0 || (carveout_set.load(std::memory_order_acquire) & bit) == 0) {
+      SPARGE_TRY(cuda_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attn_sm90_kernel<ML, false>),
+                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                  int(cudaSharedmemCarveoutMaxShared)),
+                             "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)"));
+      carveout_set.fetch_or(bit, std::memory_order_release);
+    }
+  }
   return SPARGE_OK;
 }
 
@@ -182,6 +199,14 @@ sparge_status_t setup(const AttnArgs& a, LaunchBlob* blob, bool* applies) {
   *applies = true;
   Sm90Launch* s = reinterpret_cast<Sm90Launch*>(blob->bytes);  // plain data in a 64-byte aligned blob
   *s = Sm90Launch{};
+  // Many short rows take the mainloop's short-row variant where it has one
+  // (use_short's rule), dense or masked.
+  if constexpr (!std::is_void<typename ML::Short>::value) {
+    if (use_short(a.prob, a.sm_count, a.idx != nullptr)) {
+      s->shrt = 1;
+      return setup_launch<typename ML::Short>(a, s, applies);
+    }
+  }
   // A dense call takes the mainloop's wide variant where it has one.
   if constexpr (!std::is_void<typename ML::Wide>::value) {
     if (a.idx == nullptr && use_wide()) {
@@ -215,6 +240,9 @@ template <class ML>
 sparge_status_t run(const LaunchBlob& blob, cudaStream_t stream) {
   const Sm90Launch& s = *reinterpret_cast<const Sm90Launch*>(blob.bytes);
   if (s.grid == 0) return SPARGE_OK;
+  if constexpr (!std::is_void<typename ML::Short>::value) {
+    if (s.shrt) return run_launch<typename ML::Short>(s, stream);
+  }
   if constexpr (!std::is_void<typename ML::Wide>::value) {
     if (s.wide) return run_launch<typename ML::Wide>(s, stream);
   }

@@ -42,19 +42,31 @@ using attn::Pack16;
 // below): 192-row tiles, 128-key steps, so that two warpgroups' softmax
 // overlaps the third's products (at D = 64 a step's products are too short
 // to cover one warpgroup's softmax).
-template <class T, int D, bool kCausal, bool kI8, int kCW = 2>
+// kOcc: CTAs per SM. 2: the short-row variant of FP16 at D = 64 (Short
+// below): 64-key steps, four stages of 16 KiB, 104-register consumers, so
+// that one CTA's start (Q's latency, the first stage) and end (epilogue, CTA
+// turnover) overlap the other's steps where many short rows make those
+// fixed costs a large share (docs/PERF-NOTES.md v48, v71).
+template <class T, int D, bool kCausal, bool kI8, int kCW = 2, int kOccupancy = 1>
 struct Mainloop16 {
   static constexpr int Dk = int(gpu_kernel_head_dim(D));
   static_assert(Dk == 64 || Dk == 128 || Dk == 256, "16-bit P.V on sm_90a: kernel head dim 64, 128 or 256");
   static_assert(kCW == 2 || (kCW == 3 && !kI8 && D == 64), "three consumer warpgroups: dense FP16 at D = 64");
+  static_assert(kOccupancy == 1 || (kOccupancy == 2 && kCW == 2 && !kI8 && D == 64),
+                "two CTAs per SM: FP16 at D = 64 on two consumer warpgroups");
+  static constexpr int kOcc = kOccupancy;
   static constexpr int kConsumers = kCW;
   static constexpr int kRows = 64 * kCW;  // query rows of a CTA tile
   static constexpr int kThreads = 128 * (kCW + 1);
   static constexpr int kHalves =
-      kCW == 3 ? 2 : blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D);
+      kOcc == 2 ? 1
+                : (kCW == 3 ? 2 : blocks_per_step(kI8 ? SPARGE_PRECISION_INT8_FP16 : SPARGE_PRECISION_FP16, D));
   static constexpr int kKeys = kHalves * 64;
+  static constexpr bool kBase = kCW == 2 && kOcc == 1 && !kI8 && D == 64;
   // The dense-call variant of this mainloop (launch_sm90.cuh), or void.
-  using Wide = std::conditional_t<(kCW == 2 && !kI8 && D == 64), Mainloop16<T, D, kCausal, false, 3>, void>;
+  using Wide = std::conditional_t<kBase, Mainloop16<T, D, kCausal, false, 3>, void>;
+  // The short-row variant (launch_sm90.cuh, use_short), or void.
+  using Short = std::conditional_t<kBase, Mainloop16<T, D, kCausal, false, 2, 2>, void>;
   static constexpr int kHeadDim = D;
   static constexpr bool kI8C = kI8, kFp8PV = false, kTmaStore = true;
   static constexpr bool kCausalC = kCausal;
@@ -65,8 +77,10 @@ struct Mainloop16 {
   static constexpr bool kI2fp = kI8 && Dk == 64 && !kCausal;
   static constexpr int kPoly = 0;
   static constexpr bool kMaxUnderPV = true;
+  // The short-row kernel's steps without turns (kernel.cuh, consume_serial).
+  static constexpr bool kSerialSteps = kOcc == 2;
   // Dense work may run on persistent CTAs (kernel.cuh: persistent_cta).
-  static constexpr bool kPersistOK = !kI8;
+  static constexpr bool kPersistOK = !kI8 && kOcc == 1;
 
   // Shared memory. Every 16-bit operand tile is stored as column blocks of 64
   // elements (128 bytes per row, 128B swizzle, as TMA writes it):

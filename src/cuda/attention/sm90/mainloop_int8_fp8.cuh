@@ -36,7 +36,10 @@ struct MainloopInt8Fp8 {
                                                               : SPARGE_PRECISION_INT8_FP8, D);
   static constexpr int kKeys = kHalves * 64;
   static constexpr int kConsumers = 2, kRows = 128, kThreads = 384;  // kernel.cuh
-  using Wide = void;  // no dense-call variant
+  using Wide = void;   // no dense-call variant
+  using Short = void;  // no short-row variant
+  static constexpr int kOcc = 1;  // CTAs per SM
+  static constexpr bool kSerialSteps = false;
   static constexpr int kHeadDim = D;
   static constexpr bool kI8C = true, kFp8PV = true;
   static constexpr bool kCausalC = kCausal;

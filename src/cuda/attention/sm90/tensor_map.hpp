@@ -47,6 +47,12 @@ bool use_persistent(const Problem& pb, int sm_count, int consumers);
 // variant: SPARGE_SM90_WIDE=0 / 1 decides where set; else yes (measured on
 // every shape of the grid: docs/PERF-NOTES.md v54).
 bool use_wide();
+// Whether an FP16 call at D = 64 (dense or masked) takes the short-row
+// variant (two CTAs per SM, 64-key steps): SPARGE_SM90_SHORT=0 / 1 decides
+// where set; else calls with at least four 128-row tiles per SM whose rows
+// are short: dense rows of <= 2K keys (causal) or 1K (not), masked rows of
+// <= 8K (docs/PERF-NOTES.md v48, v71).
+bool use_short(const Problem& pb, int sm_count, bool masked);
 // The most persistent CTAs: sm_count, or fewer where SPARGE_SM90_PERSIST_GRID says.
 int persistent_grid_cap(int sm_count);
 
