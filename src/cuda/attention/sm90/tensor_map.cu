@@ -106,11 +106,11 @@ bool use_short(const Problem& pb, int sm_count, bool masked) {
   const int sw = dev_switches().shrt;
   if (sw >= 0) return sw == 1;
   // Measured (PERF-NOTES v71, H100): with at least four 128-row tiles per SM
-  // the short-row kernel took 64x12x1Kx64 causal 0.400 -> 0.328 ms, 8x12x1K
+  // the short-row kernel took 64x12x1Kx64 causal 0.400 -> 0.329 ms, 8x12x1K
   // causal 0.062 -> 0.054, non-causal 0.079 -> 0.071, the causal 2K shapes
   // -2 ... -4 %, and masked calls at 8K -3 ... -28 % at densities 0.1-0.2
   // (level at 0.5); it lost on dense rows of 2K non-causal and of 4K-8K
-  // (+8 ... +36 %) and wherever tiles were few (1x12: +5 ... +57 %).
+  // (+1 ... +36 %) and wherever tiles were few (1x12: +5 ... +57 %).
   if (sm_count <= 0 || gpu_kernel_head_dim(pb.D) != 64) return false;
   if (pb.B * pb.Hq * pb.nQB < 4 * int64_t(sm_count)) return false;
   if (masked) return pb.nKB <= 128;
