@@ -128,6 +128,9 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
 // accepted it, and setting happens under one lock. The attribute belongs to
 // the device's primary context: a process that calls cudaDeviceReset must not
 // launch through this helper afterwards (nor use plans made before it).
+// A kernel that runs several CTAs per SM (`max_carveout`; above 48 KB) also asks for the
+// largest shared-memory carveout, with the same once-per-kernel-and-device
+// record (a kernel is always asked with the same flag).
 namespace smem_attr_detail {
 constexpr int kSlots = 128;   // kernels (power of two); beyond: set on every launch
 constexpr int kDevices = 32;  // device ordinals recorded; beyond: set on every launch
@@ -146,11 +149,16 @@ inline std::mutex& lock() {
 inline unsigned home(const void* kernel) {
   return unsigned((uint64_t(reinterpret_cast<uintptr_t>(kernel)) * 0x9E3779B97F4A7C15ull) >> 57) & (kSlots - 1);
 }
-inline sparge_status_t set(const void* kernel, int bytes) {
-  return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-                     "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+inline sparge_status_t set(const void* kernel, int bytes, bool max_carveout) {
+  const sparge_status_t st =
+      cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                  "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  if (st != SPARGE_OK || !max_carveout) return st;
+  return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          int(cudaSharedmemCarveoutMaxShared)),
+                     "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
 }
-inline sparge_status_t slow(const void* kernel, int bytes, int device) {
+inline sparge_status_t slow(const void* kernel, int bytes, int device, bool max_carveout) {
   std::lock_guard<std::mutex> guard(lock());
   Slot* t = slots();
   Slot* slot = nullptr;
@@ -163,19 +171,19 @@ inline sparge_status_t slow(const void* kernel, int bytes, int device) {
       slot = &s;
     }
   }
-  if (slot == nullptr) return set(kernel, bytes);  // table full
+  if (slot == nullptr) return set(kernel, bytes, max_carveout);  // table full
   if (slot->bytes[device].load(std::memory_order_relaxed) >= bytes) return SPARGE_OK;
-  const sparge_status_t st = set(kernel, bytes);
+  const sparge_status_t st = set(kernel, bytes, max_carveout);
   if (st == SPARGE_OK) slot->bytes[device].store(bytes, std::memory_order_release);
   return st;
 }
 }  // namespace smem_attr_detail
 
 // `device` must be the current device.
-inline sparge_status_t ensure_smem_attr(const void* kernel, int bytes, int device) {
+inline sparge_status_t ensure_smem_attr(const void* kernel, int bytes, int device, bool max_carveout = false) {
   namespace d = smem_attr_detail;
   if (bytes <= 48 * 1024) return SPARGE_OK;
-  if (device < 0 || device >= d::kDevices) return d::set(kernel, bytes);
+  if (device < 0 || device >= d::kDevices) return d::set(kernel, bytes, max_carveout);
   const d::Slot* t = d::slots();
   for (unsigned i = 0, h = d::home(kernel); i < unsigned(d::kSlots); ++i) {
     const d::Slot& s = t[(h + i) & (d::kSlots - 1)];
@@ -186,7 +194,7 @@ inline sparge_status_t ensure_smem_attr(const void* kernel, int bytes, int devic
     }
     if (k == nullptr) break;
   }
-  return d::slow(kernel, bytes, device);
+  return d::slow(kernel, bytes, device, max_carveout);
 }
 
 // On the current device (one cudaGetDevice: a read of the runtime's

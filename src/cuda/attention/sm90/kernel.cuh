@@ -47,7 +47,7 @@ namespace sm90 {
 // consumer warpgroups); 128*32 + 384*160 = 64K (three); two CTAs per SM
 // (kOcc 2) launch at 80 registers (2 * 384 * 80 <= 64K), and a CTA's 30 720
 // hold 128*24 + 256*104.
-template <int kCW, int kOcc = 1>
+template <int kCW>
 constexpr uint32_t kProducerRegs = kCW == 2 ? 24 : 32;
 template <int kCW, int kOcc = 1>
 constexpr uint32_t kConsumerRegs = kOcc == 2 ? 104 : kCW == 2 ? 240 : 160;
@@ -448,7 +448,7 @@ __device__ __forceinline__ void persistent_cta(const Maps& maps, const Params& p
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs<kCW, ML::kOcc>>();
+    regs_dealloc<kProducerRegs<kCW>>();
     if (threadIdx.x != 0) return;
     int g = 0, i = 0;  // the ring's steps so far; this CTA's rows so far
     for (int k = 0;; ++k) {
@@ -555,7 +555,7 @@ __device__ __forceinline__ void row_cta(const Maps& maps, const Params& p, uint8
   __syncthreads();
 
   if (wg == 0) {
-    regs_dealloc<kProducerRegs<kCW, ML::kOcc>>();
+    regs_dealloc<kProducerRegs<kCW>>();
     if (threadIdx.x == 0) {
       produce<kStages, kHalves>(w, n_steps, ring.empty, load_stage);
     } else if (threadIdx.x >= 32 && threadIdx.x < 64) {

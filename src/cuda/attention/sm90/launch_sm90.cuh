@@ -6,8 +6,6 @@
 #pragma once
 #include <cuda.h>
 
-#include <atomic>
-#include <cstdint>
 #include <new>
 #include <type_traits>
 
@@ -175,22 +173,10 @@ sparge_status_t setup_launch(const AttnArgs& a, Sm90Launch* s, bool* applies) {
       return SPARGE_OK;
     }
   }
-  // Once per kernel and device (cuda/common/launch.cuh); setup runs on the plan's device.
+  // Once per kernel and device (cuda/common/launch.cuh); setup runs on the plan's device. Several CTAs per SM
+  // (ML::kOcc) also take the largest shared-memory carveout.
   SPARGE_TRY(ensure_smem_attr(reinterpret_cast<const void*>(&attn_sm90_kernel<ML, false>), int(L::kAlloc),
-                              pb.device_id));
-  if constexpr (ML::kOcc > 1) {
-    // Shared memory for ML::kOcc CTAs per SM: the largest carveout, asked
-    // once per device (a hint the driver also follows unasked).
-    static std::atomic<uint64_t> carveout_set{0};
-    const uint64_t bit = pb.device_id >= 0 && pb.device_id < 64 ? uint64_t(1) << pb.device_id : 0;
-    if (bit == 0 || (carveout_set.load(std::memory_order_acquire) & bit) == 0) {
-      SPARGE_TRY(cuda_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attn_sm90_kernel<ML, false>),
-                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                  int(cudaSharedmemCarveoutMaxShared)),
-                             "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)"));
-      carveout_set.fetch_or(bit, std::memory_order_release);
-    }
-  }
+                              pb.device_id, ML::kOcc > 1));
   return SPARGE_OK;
 }
 
