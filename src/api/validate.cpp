@@ -319,10 +319,13 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   if (mode == SPARGE_SELECT_CDF && !in_unit_interval(in.cdf_threshold))
     return fail(INV, "params->cdf_threshold is %g, expected a value in (0, 1]", double(in.cdf_threshold));
   if (std::isnan(in.sim_threshold)) return fail(INV, "params->sim_threshold is NaN, expected a number");
-  if (std::isnan(in.pv_threshold) || in.pv_threshold < 0.0f)
-    return fail(INV, "params->pv_threshold is %g, expected 0 (off)", double(in.pv_threshold));
-  if (in.pv_threshold > 0.0f)
-    return fail(SPARGE_ERR_UNSUPPORTED, "params->pv_threshold is %g: the PV skip is reserved, expected 0 (off)",
+  if (!std::isfinite(in.pv_threshold) || in.pv_threshold < 0.0f)
+    return fail(INV, "params->pv_threshold is %g, expected 0 (off) or a finite positive value (natural-log units)",
+                double(in.pv_threshold));
+  if (in.pv_threshold > 0.0f && plan.prob.precision == SPARGE_PRECISION_EXACT)
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "params->pv_threshold is %g: the PV skip has no EXACT form (the float64 reference computes every "
+                "kept key), expected 0 with SPARGE_PRECISION_EXACT",
                 double(in.pv_threshold));
   if (mode == SPARGE_SELECT_TOPK)
     SPARGE_TRY(check_per_head(plan, in.topk_per_head, "topk_per_head", true, query_pointers));
@@ -343,6 +346,7 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
   c.topk_per_head = mode == SPARGE_SELECT_TOPK ? in.topk_per_head : nullptr;
   c.cdf_per_head = mode == SPARGE_SELECT_CDF ? in.cdf_threshold_per_head : nullptr;
   c.sim_per_head = in.sim_threshold_per_head;
+  c.pv_threshold = in.pv_threshold > 0.0f ? in.pv_threshold : 0.0f;  // -0 is off
   *cfg = c;
   return SPARGE_OK;
 }
@@ -388,7 +392,7 @@ void attention_call_key(const sparge_tensor_t* q, const sparge_tensor_t* k, cons
                         const sparge_tensor_t* mask, const sparge_predict_params_t* params,
                         const sparge_tensor_t* out, const sparge_tensor_t* lse, const void* workspace,
                         AttnCallKey* key) {
-  static_assert(sizeof(AttnCallKey::Tensor) == 88 && sizeof(AttnCallKey) == 6 * 88 + 6 * 8,
+  static_assert(sizeof(AttnCallKey::Tensor) == 88 && sizeof(AttnCallKey) == 6 * 88 + 7 * 8,
                 "the call key is plain bytes without padding");
   key_tensor(q, &key->q);
   key_tensor(k, &key->k);
@@ -402,6 +406,8 @@ void attention_call_key(const sparge_tensor_t* q, const sparge_tensor_t* k, cons
   key->per_head[0] = heads ? params->topk_per_head : nullptr;
   key->per_head[1] = heads ? params->cdf_threshold_per_head : nullptr;
   key->per_head[2] = heads ? params->sim_threshold_per_head : nullptr;
+  // The kernels' parameter block holds the PV skip's threshold (a setup per value).
+  key->pv_threshold = (heads && params->pv_threshold > 0.0f) ? double(params->pv_threshold) : 0.0;
   // (as the backend decides from the validated params; a call whose params fail validation
   // never reaches it)
   key->dense = mask == nullptr && heads &&

@@ -2,6 +2,7 @@
 // validation, the resolved prediction parameters, and the workspace layout.
 // Kernels and the CPU reference see only these types, never the C API structs.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -114,7 +115,13 @@ struct PredictConfig {
   const float* topk_per_head = nullptr;
   const float* cdf_per_head = nullptr;
   const float* sim_per_head = nullptr;
+  float pv_threshold = 0.0f;  // PV skip (docs/SEMANTICS.md, "PV skip"): 0 off, else finite > 0 (natural log)
 };
+
+// The PV skip's threshold in the base-2 units of the online softmax: pv_threshold * float(log2 e),
+// rounded to float32 (docs/SEMANTICS.md, "PV skip"); +inf when the skip is off, so that
+// `m - tau2` is -inf and no step compares below it.
+inline float pv_tau2(float pv_threshold) { return pv_threshold > 0.0f ? pv_threshold * kLog2e : INFINITY; }
 
 // A prediction that keeps every visible block whatever the scores: TOPK with topk = 1 and no
 // per-head values (the per-head array lies in device memory for CUDA plans). The attention of

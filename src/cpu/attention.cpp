@@ -65,10 +65,16 @@ struct HeadIO {
 // key of a listed tile that the row does not use still adds 0 * v_j to acc, as
 // the GPU kernels' tile products do (weight 0 for masked keys; 0 * NaN and
 // 0 * inf are NaN), also in steps where the row uses no key.
+//
+// PV skip (tau2 = pv_tau2(pv_threshold), +inf when off): a step whose scores
+// are all numbers and whose max is below m - tau2 leaves m, l and acc as they
+// are (its keys get weight 0). With v_nonfinite its used keys still add
+// 0 * v_j, as a tile product that runs for the other rows of a kernel's row
+// group does.
 template <class Score, class RoundP, class VRow>
 void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<int64_t>& tiles, int per_step,
-                        Score score, RoundP round_p, VRow v_row, bool v_nonfinite, std::vector<float>& t,
-                        std::vector<float>& acc, float& m, float& l) {
+                        float tau2, Score score, RoundP round_p, VRow v_row, bool v_nonfinite,
+                        std::vector<float>& t, std::vector<float>& acc, float& m, float& l) {
   const int64_t D = p.D;
   m = -INFINITY;
   l = 0.0f;
@@ -103,6 +109,16 @@ void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<i
       return;
     }
     if (!any) continue;
+    if (m != -INFINITY && tmax < m - tau2) {  // PV skip
+      if (v_nonfinite)
+        for (size_t u = s0; u < s1; ++u)
+          for (int64_t j = tiles[u] * kTile, j1 = std::min(p.Lkv, j + kTile); j < j1; ++j) {
+            if (!rm.used(j)) continue;
+            const float* vj = v_row(j);
+            for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += 0.0f * vj[c];
+          }
+      continue;
+    }
     const float mn = std::max(m, tmax);
     if (mn == -INFINITY) continue;
     const float alpha = (m == -INFINITY) ? 0.0f : stable_exp2(m, mn);
@@ -221,7 +237,7 @@ void head_exact(const Problem& p, const std::vector<float>& qh, const std::vecto
 // Inputs as given, fp32 scores, base-2 online softmax over 64-key tiles, P
 // rounded to the input's 16-bit type (fp32 inputs: not rounded), fp32 accumulation.
 void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector<float>& kh,
-               const std::vector<float>& vh, const MaskView& mask, const HeadIO& io) {
+               const std::vector<float>& vh, const MaskView& mask, float tau2, const HeadIO& io) {
   const int64_t D = p.D;
   const float cexp = p.scale * kLog2e;
   std::vector<float> t, acc(static_cast<size_t>(D));
@@ -234,7 +250,7 @@ void head_fp16(const Problem& p, const std::vector<float>& qh, const std::vector
     const float* qi = qh.data() + i * D;
     float m, l;
     online_softmax_row(
-        p, rm, tiles, 1,
+        p, rm, tiles, 1, tau2,
         [&](int64_t j, int64_t) {
           if (qbad[size_t(i)] || kbad[size_t(j)]) return NAN;  // NaN policy: a non-finite q or k row
           float d = 0.0f;
@@ -319,7 +335,7 @@ void quantize_kv(const Problem& p, const std::vector<float>& kh, const std::vect
 // dequantized by amax_c / 448 / 448 at the end. INT8_FP16: P rounded to the
 // input's 16-bit type (as the FP16 mode) times V as given (vh).
 void head_int8(const Problem& p, const std::vector<float>& qh, const std::vector<float>& vh, const QuantKV& kv,
-               const float* mu, const MaskView& mask, const HeadIO& io) {
+               const float* mu, const MaskView& mask, float tau2, const HeadIO& io) {
   const bool fp8 = p.fp8_pv();
   // The GPU kernels' step (core/kernel_traits.hpp): P is rounded against its max.
   const int per_step = blocks_per_step(p.precision, p.D);
@@ -348,7 +364,7 @@ void head_int8(const Problem& p, const std::vector<float>& qh, const std::vector
     const float qs = sq * cexp;
     float m, l;
     online_softmax_row(
-        p, rm, tiles, per_step,
+        p, rm, tiles, per_step, tau2,
         [&](int64_t j, int64_t tb) {
           const float f = qs * kv.sk[size_t(tb)];
           int32_t d = 0;
@@ -402,6 +418,7 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   float* k_mean = ws_ptr<float>(workspace, plan.ws.k_mean);
   if (p.quantized() && mask) compute_k_mean(plan, k, cfg.smooth_k, k_mean);
 
+  const float tau2 = pv_tau2(cfg.pv_threshold);
   parallel_for(p.B * p.Hq, [&](int64_t bh) {
     const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group();
     std::vector<float> qh, kh, vh;
@@ -411,12 +428,12 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
     const HeadIO io{p, out, lse, b, h};
     switch (p.precision) {
       case SPARGE_PRECISION_EXACT: head_exact(p, qh, kh, vh, m, io); break;
-      case SPARGE_PRECISION_FP16: head_fp16(p, qh, kh, vh, m, io); break;
+      case SPARGE_PRECISION_FP16: head_fp16(p, qh, kh, vh, m, tau2, io); break;
       default: {
         const float* mu = k_mean + (b * p.Hkv + hk) * p.D;
         QuantKV kv;
         quantize_kv(p, kh, vh, mu, kv);
-        head_int8(p, qh, vh, kv, mu, m, io);
+        head_int8(p, qh, vh, kv, mu, m, tau2, io);
         break;
       }
     }

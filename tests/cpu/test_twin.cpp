@@ -124,13 +124,15 @@ namespace {
 // inputs given as dense arrays, used[i, j] = key j used by query i, kept(qb, kb)
 // the block mask, bq x bk blocks). vmode: 0 INT8_FP8 (e4m3 P and V), 1
 // INT8_FP8_SPLIT_V (V as two e4m3 terms), 2 INT8_FP16 (V as given, P rounded
-// to pdt: FLOAT32 leaves it unrounded). Steps of per_step listed tiles.
+// to pdt: FLOAT32 leaves it unrounded). Steps of per_step listed tiles. pv:
+// the PV skip's threshold (natural log; 0 off): a step whose max is below
+// m - pv * log2(e) leaves the row as it is.
 template <class Kept>
 void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>& q, const std::vector<float>& k,
                     const std::vector<float>& v, const std::vector<uint8_t>& used /* [Lq, Lkv] */, Kept kept,
                     int64_t bq, int64_t bk, bool causal, float scale, bool smooth, int vmode,
                     std::vector<float>& out, std::vector<float>& lse, int per_step = 2,
-                    sparge_dtype_t pdt = SPARGE_DTYPE_FLOAT32) {
+                    sparge_dtype_t pdt = SPARGE_DTYPE_FLOAT32, float pv = 0.0f) {
   std::vector<float> mu(size_t(D), 0.0f);
   if (smooth)
     for (int64_t c = 0; c < D; ++c) {
@@ -202,6 +204,7 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
         }
       }
       if (!any) continue;
+      if (pv > 0.0f && m != -INFINITY && tmax < m - pv * 1.4426950408889634f) continue;
       const float mn = std::max(m, tmax);
       const float alpha = m == -INFINITY ? 0.0f : std::exp2(m - mn);
       float ps = 0;
@@ -241,7 +244,7 @@ void twin_reference(int64_t Lq, int64_t Lkv, int64_t D, const std::vector<float>
 int64_t twin_mismatches(const Plan& plan, const HostTensor& tq, const HostTensor& tk, const HostTensor& tv,
                         const HostTensor& mask, const std::vector<float>& q, const std::vector<float>& k,
                         const std::vector<float>& v, int64_t Lq, int64_t Lkv, int64_t D, int64_t bq, int64_t bk,
-                        bool causal, bool smooth, int vmode, int per_step, sparge_dtype_t dt) {
+                        bool causal, bool smooth, int vmode, int per_step, sparge_dtype_t dt, float pv = 0.0f) {
   std::vector<uint8_t> used(size_t(Lq * Lkv));
   for (int64_t i = 0; i < Lq; ++i)
     for (int64_t j = 0; j < Lkv; ++j)
@@ -250,10 +253,11 @@ int64_t twin_mismatches(const Plan& plan, const HostTensor& tq, const HostTensor
   HostTensor lse = make_dense(SPARGE_DTYPE_FLOAT32, {1, 1, Lq});
   sparge_predict_params_t params = no_smoothing();
   params.smooth_k = smooth;
+  params.pv_threshold = pv;
   REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, out, &lse) == SPARGE_OK);
   std::vector<float> ro, rl;
   auto kept = [&](int64_t qb, int64_t kb) { return mask.get(0, 0, qb, kb) != 0; };
-  twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, smooth, vmode, ro, rl, per_step, dt);
+  twin_reference(Lq, Lkv, D, q, k, v, used, kept, bq, bk, causal, 0.2f, smooth, vmode, ro, rl, per_step, dt, pv);
   int64_t mismatches = 0;
   for (int64_t i = 0; i < Lq; ++i) {
     if (!(lse.get(0, 0, i) == rl[size_t(i)])) ++mismatches;
@@ -353,4 +357,74 @@ TEST_CASE("twin: INT8_FP16 on 16-bit inputs, bit-identical to the transcription"
         CHECK(twin_mismatches(plan, tq, tk, tv, mask, q, k, v, Lq, Lkv, D, bq, bk, causal, true, 2, per_step, dt) ==
               0);
       }
+}
+
+// The PV skip (docs/SEMANTICS.md, "PV skip") on inputs where it acts: every
+// query shares a direction with the 64 keys of tile 0 (a "sink" several
+// nats above the other keys), so after the first step most rows find later
+// steps far below their running max. Each int8 mode with tau = 1 nat is bit
+// for bit the transcription's skip; tau = 1 changes most rows and keeps the
+// zero rows (all scores equal); tau = 60 (no step is that far below) equals the skip off; FP16 on
+// the same inputs likewise (its own steps of one tile).
+TEST_CASE("twin: the PV skip, bit-identical to the transcription, acting where a step is far below m",
+          "[cpu][twin][pv]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t Lq = 150, Lkv = 450, D = 40;
+  const int bq = 32, bk = 64;
+  std::vector<float> u(static_cast<size_t>(D));
+  double un = 0;
+  for (auto& x : u) x = nd(rng), un += double(x) * x;
+  for (auto& x : u) x = float(x / std::sqrt(un));
+  std::vector<float> q(size_t(Lq * D)), k(size_t(Lkv * D)), v(size_t(Lkv * D));
+  // Rows 40..47 are zero: every score 0, no step below m, nothing skipped.
+  for (int64_t i = 0; i < Lq; ++i)
+    for (int64_t c = 0; c < D; ++c) q[size_t(i * D + c)] = (i >= 40 && i < 48) ? 0.0f : 6.0f * u[size_t(c)] + nd(rng);
+  for (int64_t j = 0; j < Lkv; ++j)
+    for (int64_t c = 0; c < D; ++c) k[size_t(j * D + c)] = (j < 64 ? 6.0f * u[size_t(c)] : 0.0f) + nd(rng);
+  for (auto& x : v) x = nd(rng) * 3.0f;
+  HostTensor tq = one_head(q, Lq, D), tk = one_head(k, Lkv, D), tv = one_head(v, Lkv, D);
+  const int64_t nQB = ceil_div(Lq, bq), nKB = ceil_div(Lkv, bk);
+  HostTensor mask = make_dense(SPARGE_DTYPE_UINT8, {1, 1, nQB, nKB});
+  for (int64_t i = 0; i < nQB; ++i)
+    for (int64_t j = 0; j < nKB; ++j) mask.set(0, 0, i, j, (j == 0 || ((i + j) % 3) != 1) ? 1.0f : 0.0f);
+  // Outputs with the skip at tau against the skip off: rows changed, rows equal.
+  auto compare = [&](Plan& plan, float tau, int64_t& changed, int64_t& same) {
+    HostTensor o0 = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND),
+               o1 = make_bhld(SPARGE_DTYPE_FLOAT32, 1, 1, Lq, D, Layout::HND);
+    sparge_predict_params_t params = no_smoothing();
+    REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, o0, nullptr) == SPARGE_OK);
+    params.pv_threshold = tau;
+    REQUIRE(run_attention(plan, tq, tk, tv, &mask, &params, o1, nullptr) == SPARGE_OK);
+    changed = same = 0;
+    for (int64_t i = 0; i < Lq; ++i) {
+      bool eq = true;
+      for (int64_t c = 0; c < D; ++c) eq = eq && o0.get(0, 0, i, c) == o1.get(0, 0, i, c);
+      (eq ? same : changed) += 1;
+    }
+  };
+  for (int vmode : {0, 1, 2, 3})
+    for (bool causal : {false, true}) {
+      INFO("vmode " << vmode << " causal " << causal);
+      const sparge_precision_t prec = vmode == 0   ? SPARGE_PRECISION_INT8_FP8
+                                      : vmode == 1 ? SPARGE_PRECISION_INT8_FP8_SPLIT_V
+                                      : vmode == 2 ? SPARGE_PRECISION_INT8_FP16
+                                                   : SPARGE_PRECISION_FP16;
+      auto prob = cpu_problem(1, 1, 1, Lq, Lkv, D, SPARGE_DTYPE_FLOAT32, prec, causal);
+      prob.block_q = bq;
+      prob.block_k = bk;
+      prob.scale = 0.2f;
+      Plan plan(prob);
+      if (vmode < 3)
+        CHECK(twin_mismatches(plan, tq, tk, tv, mask, q, k, v, Lq, Lkv, D, bq, bk, causal, false, vmode, 2,
+                              SPARGE_DTYPE_FLOAT32, 1.0f) == 0);
+      int64_t changed = 0, same = 0;
+      compare(plan, 1.0f, changed, same);
+      CHECK(changed > Lq / 2);
+      CHECK(same >= 8);
+      compare(plan, 60.0f, changed, same);
+      CHECK(changed == 0);
+    }
 }

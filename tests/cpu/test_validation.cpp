@@ -520,12 +520,11 @@ TEST_CASE("prediction parameters", "[cpu][validation]") {
   }
   g.params.sim_threshold = kNaN;
   both("params->sim_threshold", INV);
-  g.params.pv_threshold = 0.5f;
-  both("params->pv_threshold", SPARGE_ERR_UNSUPPORTED);
-  g.params.pv_threshold = -1.0f;
-  both("params->pv_threshold", INV);
-  g.params.pv_threshold = kNaN;
-  both("params->pv_threshold", INV);
+  for (float t : {-1.0f, kNaN, kInf, -kInf}) {
+    INFO("pv_threshold " << t);
+    g.params.pv_threshold = t;
+    both("params->pv_threshold", INV);
+  }
   const float topk_bad[4] = {0.5f, 0.0f, 0.5f, 0.5f};
   g.params.topk_per_head = topk_bad;
   both("params->topk_per_head[1]", INV);

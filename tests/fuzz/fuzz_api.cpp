@@ -167,6 +167,7 @@ struct Resolved {
   int64_t B, Hq, Hkv, Lq, Lkv, D, nQB, nKB;
   int BQ, BK, es;
   bool causal;
+  bool exact = false;  // SPARGE_PRECISION_EXACT (no PV skip)
 };
 
 // Exact CPU workspace bytes of a resolved problem (the regions of core/workspace.cpp,
@@ -220,7 +221,7 @@ Expect expect_plan(const sparge_problem_t& p, Resolved* res) {
   if (gpu ? BQ != 128 : BQ > 1024) return F(UNS, "block_q");
   if (gpu ? BK != 64 : BK > 1024) return F(UNS, "block_k");
   Resolved r{p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_kv, p.head_dim, cdiv(p.len_q, BQ), cdiv(p.len_kv, BK),
-             BQ, BK, dt == SPARGE_DTYPE_FLOAT32 ? 4 : 2, p.causal != 0};
+             BQ, BK, dt == SPARGE_DTYPE_FLOAT32 ? 4 : 2, p.causal != 0, prec == SPARGE_PRECISION_EXACT};
   const i128 lim = I64MAX;
   i128 raw = 0;
   const bool overflow = mul_sat({r.B, r.Hq, r.Lq, r.D, r.es}) > lim || mul_sat({r.B, r.Hkv, r.Lkv, r.D, r.es}) > lim ||
@@ -555,7 +556,7 @@ void gen_params(Source& s, int64_t Hq, bool allow_arrays, Params& pr) {
   p.attention_sink = s.chance(30) ? int32_t(s.range(1, 5)) : (s.chance(50) ? -1 : 0);
   p.local_window = s.chance(30) ? int32_t(s.range(1, 4)) : (s.chance(50) ? -1 : 0);
   if (s.chance(10)) p.struct_size = offsetof(sparge_predict_params_t, local_window);  // a 0.1 caller
-  p.pv_threshold = s.chance(90) ? 0.0f : -0.0f;
+  p.pv_threshold = s.chance(80) ? 0.0f : s.pick({-0.0f, 0.5f, 1e-30f, 20.0f});
   const bool topk_mode = get_enum(p.mode) == SPARGE_SELECT_TOPK;
   // A value the mode does not use is ignored, whatever it is.
   if (s.chance(20)) (topk_mode ? p.cdf_threshold : p.topk) = s.pick({std::nanf(""), -1.0f, 7.0f, 0.0f});
@@ -611,13 +612,8 @@ bool params_defect(Source& s, Params& pr) {
       return true;
     case 3: p.sim_threshold = std::nanf(""); pr.defect = expect_fail(INV, "params->sim_threshold"); return true;
     case 4:
-      if (s.chance(50)) {
-        p.pv_threshold = s.pick({std::nanf(""), -1.0f, -INFINITY, -1e-30f});
-        pr.defect = expect_fail(INV, "params->pv_threshold");
-      } else {
-        p.pv_threshold = s.pick({0.5f, 1e-30f, INFINITY});
-        pr.defect = expect_fail(UNS, "params->pv_threshold");
-      }
+      p.pv_threshold = s.pick({std::nanf(""), -1.0f, -INFINITY, -1e-30f, INFINITY});
+      pr.defect = expect_fail(INV, "params->pv_threshold");
       return true;
     case 5: {
       std::vector<float>& arr = topk_mode ? pr.topk_h : pr.cdf_h;
@@ -773,6 +769,9 @@ void run_call(Ctx& c, Fn fn) {
     }
   }
   gen_params(s, r.Hq, true, call.params);
+  // A valid PV skip that the plan's precision cannot do (read_params checks it last).
+  if (!call.params.null && r.exact && call.params.p.pv_threshold > 0.0f)
+    call.params.defect = expect_fail(UNS, "params->pv_threshold");
   gen_workspace(s, c.ws_need, real, call.ws);
 
   // Defects: every argument independently; a plan too large to run must get one.
