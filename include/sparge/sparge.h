@@ -183,8 +183,10 @@ typedef struct sparge_predict_params {
   const float* topk_per_head;
   const float* cdf_threshold_per_head;
   const float* sim_threshold_per_head;
-  float pv_threshold;             /* PV skip; 0 (default) = off. Positive values
-                                     are reserved: SPARGE_ERR_UNSUPPORTED today  */
+  float pv_threshold;             /* PV skip; 0 (default) = off. tau > 0: a query
+                                     row skips a softmax step whose scores are all
+                                     more than tau nats below its running max
+                                     (not with SPARGE_PRECISION_EXACT)           */
   /* --- since 0.2 (read only when struct_size covers them; older callers get
    *     the defaults of the mode: local_window -1, SPARGE_ESTIMATOR_AUTO) */
   int32_t local_window;           /* w >= 1: keep the key blocks on the diagonal and
