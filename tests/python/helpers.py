@@ -32,6 +32,20 @@ def spike_inputs(rng):
     return q, k, v
 
 
+def pv_skip_inputs(rng, B=1, H=2, Lq=256, Lkv=640, D=64, gap=10.0, dtype=np.float16):
+    """Every query and the first 64 keys share a unit direction u: those keys score about ``gap``
+    nats above the others (scale 1/sqrt(D)), so once a row has seen key block 0 its later steps
+    lie many nats below its running maximum."""
+    u = rng.standard_normal(D)
+    u /= np.linalg.norm(u)
+    a = np.sqrt(gap * np.sqrt(D))
+    q = a * u + rng.standard_normal((B, H, Lq, D))
+    k = rng.standard_normal((B, H, Lkv, D))
+    k[:, :, :64] += a * u
+    v = rng.standard_normal((B, H, Lkv, D))
+    return tuple(x.astype(dtype) for x in (q, k, v))
+
+
 # tolerance per precision (CPU backend vs float64 reference)
 TOL = {
     "exact": dict(atol=2e-5, rtol=1e-4),

@@ -1,7 +1,5 @@
 """The original SpargeAttn names (sparge.compat / the spas_sage_attn shim) on the CPU backend."""
 
-import warnings
-
 import numpy as np
 import pytest
 
@@ -120,20 +118,6 @@ def test_block_sparse_name(rng):
     assert ref.cosine(full, dense) > 0.995
     out, sp = sparge.block_sparse_sage2_attn_cuda(q, k, v, mask_id=mask_id, return_sparsity=True)
     assert sp == pytest.approx(1.0 - mask_id.sum() / mask_id.size)
-
-
-def test_pvthreshd_warns_once(rng):
-    from sparge import compat
-
-    q, k, v = make_qkv(rng, B=1, Hq=1, Hkv=1, Lq=64, Lkv=64, D=16, dtype=np.float16)
-    compat._pv_warned = False
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v)  # default 50: silent
-        assert not w
-        sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, pvthreshd=20)
-        sparge.spas_sage2_attn_meansim_topk_cuda(q, k, v, pvthreshd=30)
-    assert len(w) == 1 and "pvthreshd" in str(w[0].message)
 
 
 def test_positional_like_sdpa(rng):

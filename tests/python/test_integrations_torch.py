@@ -13,7 +13,7 @@ F = torch.nn.functional
 
 import sparge  # noqa: E402
 import sparge.integrations as integ  # noqa: E402
-from helpers import assert_backward_raises  # noqa: E402
+from helpers import assert_backward_raises, pv_skip_inputs  # noqa: E402
 
 try:
     LIB_CUDA = sparge.has_cuda()
@@ -360,6 +360,7 @@ def test_autotune_module_state_dict_round_trip(gen, device):
         net.attn.cdfthreshd.copy_(torch.tensor([0.5, 0.9, 0.99, 0.3]))
         net.attn.simthreshd1.copy_(torch.tensor([0.1, -0.2, 0.4, 0.0]))
         net.attn.is_sparse.copy_(torch.tensor([True, True, False, True]))
+        net.attn.pvthreshd.fill_(9.0)
     saved = extract_sparse_attention_state_dict(net)
     assert set(saved) == {"attn." + n for n in ("is_sparse", "cdfthreshd", "simthreshd1", "simthreshd2", "pvthreshd")}
     other = torch.nn.Module()
@@ -371,10 +372,36 @@ def test_autotune_module_state_dict_round_trip(gen, device):
     cdf = torch.tensor([0.5, 0.9, 1.0, 0.3], device=device)
     sim = torch.tensor([0.1, -0.2, 1.0, 0.0], device=device)
     want, wsp = sparge.spas_sage2_attn_meansim_cuda(q, k, v, is_causal=True, cdfthreshd=cdf, simthreshd1=sim,
-                                                    attention_sink=True, return_sparsity=True)
+                                                    pvthreshd=9.0, attention_sink=True, return_sparsity=True)
     torch.testing.assert_close(o, want, rtol=0, atol=0)
     assert sparsity == wsp and 0.0 <= sparsity < 1.0
     with pytest.raises(sparge.UnsupportedError, match="tuning"):
         other.attn(q, k, v, tune_mode=True)
     with pytest.raises(sparge.InvalidArgumentError, match="no tuned parameters"):
         SparseAttentionMeansim()(q, k, v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autotune_module_runs_its_pvthreshd(gen, device):
+    # the loaded per-head pvthreshd reaches the PV skip (base 2, the largest of differing heads)
+    from sparge import compat
+    from spas_sage_attn.autotune import SparseAttentionMeansim
+
+    q, k, v = (torch.from_numpy(x).to(device) for x in pv_skip_inputs(gen, H=4))
+    mod = SparseAttentionMeansim()
+    mod.init_hyperparams(4, device)
+    with torch.no_grad():
+        mod.is_sparse.fill_(False)  # every block kept: only the skip changes the result
+        mod.pvthreshd.copy_(torch.tensor([1.5, 1.5, 2.0, 1.5]))
+    compat._pv_warned = False
+    with pytest.warns(UserWarning, match="pvthreshd differs between heads"):
+        o = mod(q, k, v)
+    one = torch.ones(4, device=device)
+    want = sparge.spas_sage2_attn_meansim_cuda(q, k, v, cdfthreshd=one, simthreshd1=one, pvthreshd=2.0,
+                                               attention_sink=True)
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    off = sparge.spas_sage2_attn_meansim_cuda(q, k, v, cdfthreshd=one, simthreshd1=one, attention_sink=True)
+    assert float((o != off).any(dim=-1).float().mean()) > 0.75
+    with torch.no_grad():
+        mod.pvthreshd.fill_(float("inf"))  # never skips
+    torch.testing.assert_close(mod(q, k, v), off, rtol=0, atol=0)

@@ -29,11 +29,11 @@ def test_custom_op_registered_and_opcheck(rng):
         pytest.skip("torch.library.opcheck unavailable")
     q, k, v = (torch.from_numpy(x) for x in make_qkv(rng, B=1, Hq=2, Hkv=1, Lq=128, Lkv=128, D=16))
     # ..., smooth_k, sink (-1: the mode's default), window (-1: default), estimator (0: mean),
-    # precision (2: exact), block_q, block_k, want_lse, want_kept
+    # precision (2: exact), block_q, block_k, pv_threshold (0: off), want_lse, want_kept
     args = (q, k, v, None, None, None, None, [0.5, 0.25], None, None, 0, True, 0.0, 0, 0.5, 0.9, -0.1,
-            True, -1, -1, 0, 2, 0, 0, True, True)
+            True, -1, -1, 0, 2, 0, 0, 0.0, True, True)
     torch.library.opcheck(torch.ops.sparge.attention.default, args)
-    torch.library.opcheck(torch.ops.sparge.predict_mask.default, (q, k) + args[4:24])
+    torch.library.opcheck(torch.ops.sparge.predict_mask.default, (q, k) + args[4:25])
 
 
 def test_torch_compile_cpu_fullgraph(rng):

@@ -138,7 +138,7 @@ class _Resolved:
 def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: str, mode: str,
              cdf_threshold: Optional[PerHead], sim_threshold: PerHead, smooth_k: bool,
              attention_sink: Optional[bool], local_window: Optional[int], precision: str,
-             block_size: Any, estimator: str = "auto") -> _Resolved:
+             block_size: Any, estimator: str = "auto", pv_threshold: Any = 0.0) -> _Resolved:
     lay = core.parse_layout(layout)
     md = core.parse_mode(mode)
     prec = core.parse_precision(precision)
@@ -150,8 +150,9 @@ def _resolve(*, topk: PerHead, is_causal: bool, scale: Optional[float], layout: 
     sink = -1 if attention_sink is None else int(bool(attention_sink))
     window = core.parse_local_window(local_window)
     est = core.parse_estimator(estimator)
+    pv = core.parse_pv_threshold(pv_threshold)
     opts = core.Options(lay, bool(is_causal), sc, md, topk_s, cdf_s, sim_s, bool(smooth_k),
-                        sink, window, est, prec, bq, bk)
+                        sink, window, est, prec, bq, bk, pv)
     return _Resolved(opts, topk_h, cdf_h, sim_h)
 
 
@@ -165,11 +166,11 @@ _PLAIN = frozenset((float, int, bool, str, type(None)))
 
 def _resolve_cached(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
                     sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any,
-                    estimator: Any, precision: Any, block_size: Any) -> _Resolved:
+                    estimator: Any, precision: Any, block_size: Any, pv_threshold: Any = 0.0) -> _Resolved:
     key = None
     if type(block_size) is tuple and len(block_size) == 2:
         vals = (topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
-                local_window, estimator, precision) + block_size
+                local_window, estimator, precision, pv_threshold) + block_size
         types = tuple(map(type, vals))
         if _PLAIN.issuperset(types):  # (before hashing: a list or an array is not hashable)
             key = (vals, types)
@@ -179,7 +180,7 @@ def _resolve_cached(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: An
     r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
                  cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
                  attention_sink=attention_sink, local_window=local_window, estimator=estimator,
-                 precision=precision, block_size=block_size)
+                 precision=precision, block_size=block_size, pv_threshold=pv_threshold)
     if key is not None:
         if len(_RESOLVED) > 256:
             _RESOLVED.clear()
@@ -190,7 +191,7 @@ def _resolve_cached(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: An
 
 # The resolved options of the latest option sets, by identity: (topk, is_causal, scale, layout, mode,
 # cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window, estimator, precision,
-# block_size, resolved) tuples, the newest first, at most _MEMO_SIZE of them, each made from a
+# block_size, pv_threshold, resolved) tuples, the newest first, at most _MEMO_SIZE of them, each made from a
 # shared _Resolved (all values plain immutable scalars, block_size a tuple of them). A memo holds its
 # values, so a call that passes the very same objects passes the same values of the same types and
 # gets the same resolved options, without building and hashing _RESOLVED's key (the objects of the
@@ -201,20 +202,20 @@ _MEMO_SIZE = 4
 
 def _resolve_memo(topk: Any, is_causal: Any, scale: Any, layout: Any, mode: Any, cdf_threshold: Any,
                   sim_threshold: Any, smooth_k: Any, attention_sink: Any, local_window: Any, estimator: Any,
-                  precision: Any, block_size: Any) -> _Resolved:
+                  precision: Any, block_size: Any, pv_threshold: Any = 0.0) -> _Resolved:
     """_resolve_cached through the identity memo (a shared result is memoized)."""
     global _MEMO
     for m in _MEMO:
         if (topk is m[0] and is_causal is m[1] and scale is m[2] and layout is m[3] and mode is m[4]
                 and cdf_threshold is m[5] and sim_threshold is m[6] and smooth_k is m[7]
                 and attention_sink is m[8] and local_window is m[9] and estimator is m[10]
-                and precision is m[11] and block_size is m[12]):
-            return m[13]
+                and precision is m[11] and block_size is m[12] and pv_threshold is m[13]):
+            return m[14]
     r = _resolve_cached(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
-                        attention_sink, local_window, estimator, precision, block_size)
+                        attention_sink, local_window, estimator, precision, block_size, pv_threshold)
     if r.shared:
         _MEMO = ((topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink,
-                  local_window, estimator, precision, block_size, r),) + _MEMO[:_MEMO_SIZE - 1]
+                  local_window, estimator, precision, block_size, pv_threshold, r),) + _MEMO[:_MEMO_SIZE - 1]
     return r
 
 
@@ -240,7 +241,7 @@ def _op_scalars(r: _Resolved) -> Tuple[Any, ...]:
     o = r.opts
     return (o.layout, o.causal, o.scale, o.mode, o.topk, o.cdf, o.sim, o.smooth_k, o.sink, o.window, o.estimator,
             o.precision,
-            o.block_q, o.block_k)
+            o.block_q, o.block_k, o.pv)
 
 
 def _normalize_mask(mask: Any) -> Any:
@@ -299,7 +300,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
               mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
               smooth_k: bool = True, attention_sink: Optional[bool] = None,
               local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
-              block_size: Tuple[int, int] = (128, 64), return_sparsity: bool = False,
+              block_size: Tuple[int, int] = (128, 64), pv_threshold: float = 0.0, return_sparsity: bool = False,
               return_lse: bool = False, stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Block-sparse attention with a predicted (or given) block mask.
 
@@ -350,6 +351,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
             inputs, and no V preparation pass),
             ``"fp16"`` (16-bit tensor-core math) or ``"exact"`` (float64, CPU only).
         block_size: mask block ``(BQ, BK)``; default (128, 64).
+        pv_threshold: the PV skip, in nats (natural log of the softmax weights); 0 (default): off.
+            With ``t > 0`` a query row skips a step of the online softmax (its keys get weight 0, no
+            P.V for them) when the step's largest score is below the row's running maximum minus
+            ``t``: those weights are below ``exp(-t)`` of the row's largest. Applies to predicted,
+            given and dense (``topk=1``) masks alike, in every precision but ``"exact"`` (a positive
+            value there is ``UnsupportedError``); NaN, negative or infinite values are
+            ``InvalidArgumentError``. A scalar for all heads.
         return_sparsity: also return the block density ``kept / visible`` over all heads (a
             Python float: this synchronizes the host with the device).
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]`` (natural log).
@@ -367,7 +375,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
         InvalidArgumentError, UnsupportedError, NoDeviceError, CudaError, ... (SpargeError).
     """
     r = _resolve_memo(topk, is_causal, scale, layout, mode, cdf_threshold, sim_threshold, smooth_k,
-                      attention_sink, local_window, estimator, precision, block_size)
+                      attention_sink, local_window, estimator, precision, block_size, pv_threshold)
     return _attention(q, k, v, r, mask, out, return_sparsity, return_lse, stream)
 
 
@@ -459,11 +467,12 @@ def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: 
                  cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
                  smooth_k: bool = True, attention_sink: Optional[bool] = None,
               local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
-                 block_size: Tuple[int, int] = (128, 64), return_kept: bool = False,
+                 block_size: Tuple[int, int] = (128, 64), pv_threshold: float = 0.0, return_kept: bool = False,
                  stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Predicts the block mask that :func:`attention` would use.
 
-    Same arguments as :func:`attention` (v is not needed). Returns the uint8 mask
+    Same arguments as :func:`attention` (v is not needed; ``pv_threshold`` does not change the
+    mask, but is checked as for :func:`attention`). Returns the uint8 mask
     ``[B, Hq, ceil(Lq/BQ), ceil(Lkv/BK)]`` in q's framework and memory space (written into
     ``out`` when given: a uint8 array of that shape), or ``(mask, kept)`` with ``return_kept``
     (int32 ``[B, Hq]`` kept-block counts).
@@ -471,7 +480,7 @@ def predict_mask(q: ArrayLike, k: ArrayLike, *, topk: PerHead = 0.5, is_causal: 
     r = _resolve(topk=topk, is_causal=is_causal, scale=scale, layout=layout, mode=mode,
                  cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
                  attention_sink=attention_sink, local_window=local_window, estimator=estimator,
-                 precision=precision, block_size=block_size)
+                 precision=precision, block_size=block_size, pv_threshold=pv_threshold)
     return _predict(q, k, r, return_kept, stream, out)
 
 
@@ -513,7 +522,7 @@ def _predict(q: ArrayLike, k: ArrayLike, r: _Resolved, return_kept: bool, stream
 def block_sparse_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike, *,
                            is_causal: bool = False, scale: Optional[float] = None, layout: str = "HND",
                            precision: str = "auto", block_size: Tuple[int, int] = (128, 64),
-                           return_sparsity: bool = False, return_lse: bool = False,
+                           pv_threshold: float = 0.0, return_sparsity: bool = False, return_lse: bool = False,
                            stream: Optional[int] = None, out: Optional[ArrayLike] = None) -> Any:
     """Attention restricted to the blocks of a given mask (no prediction).
 
@@ -524,5 +533,5 @@ def block_sparse_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: Array
     if mask is None:
         raise C.InvalidArgumentError("mask is required (use attention() to predict one)")
     return attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, layout=layout,
-                     precision=precision, block_size=block_size, return_sparsity=return_sparsity,
-                     return_lse=return_lse, stream=stream, out=out)
+                     precision=precision, block_size=block_size, pv_threshold=pv_threshold,
+                     return_sparsity=return_sparsity, return_lse=return_lse, stream=stream, out=out)

@@ -47,6 +47,7 @@ class Options(NamedTuple):
     precision: int
     block_q: int
     block_k: int
+    pv: float = 0.0  # pv_threshold: 0 = off, else the PV skip's threshold in nats
 
 
 # ------------------------------------------------------------------ argument checking
@@ -67,6 +68,24 @@ def parse_local_window(w: Any) -> int:
     if isinstance(w, bool) or not hasattr(w, "__index__") or not 0 <= w.__index__() <= 1024:
         raise _arg_error("local_window must be None or an integer in [0, 1024], got %r" % (w,))
     return w.__index__()
+
+
+def parse_pv_threshold(t: Any) -> float:
+    """pv_threshold as the float the library reads. The library checks the value itself (0 = off;
+    NaN, negative and infinite values are invalid; a positive one with precision "exact" is
+    unsupported), its message naming ``params->pv_threshold``. Checked here: a real number, and a
+    positive finite value that float32 holds (1e-50 would reach the library as 0, off; 1e39 as inf).
+    None is 0, off."""
+    if t is None:
+        return 0.0
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise _arg_error("pv_threshold must be a number (0 = off, else the PV skip's threshold in nats), "
+                         "got %r (%s)" % (t, type(t).__name__))
+    x = float(t)
+    if math.isfinite(x) and x > 0.0 and not 0.0 < ctypes.c_float(x).value < math.inf:
+        raise _arg_error("pv_threshold is %r, expected 0 (off) or a finite positive value (natural-log units) "
+                         "that float32 holds (about 1.4e-45 .. 3.4e38)" % (t,))
+    return x
 
 
 def _arg_error(msg: str) -> C.InvalidArgumentError:
@@ -350,7 +369,7 @@ def _make_params(opts: Options, ptrs: Sequence[Any]) -> C.SpargePredictParams:
                                  estimator=int(opts.estimator),
                                  topk_per_head=ptrs[0],
                                  cdf_threshold_per_head=ptrs[1], sim_threshold_per_head=ptrs[2],
-                                 pv_threshold=0.0)
+                                 pv_threshold=opts.pv)
 
 
 def out_shape(s: Shapes, layout: int) -> Tuple[int, int, int, int]:

@@ -174,32 +174,32 @@ class Plan:
     # ------------------------------------------------------------ calls
     def _resolve(self, topk: PerHead, layout: str, mode: str, cdf_threshold: Any, sim_threshold: Any,
                  smooth_k: bool, attention_sink: Optional[bool], local_window: Optional[int],
-                 estimator: str) -> Any:
+                 estimator: str, pv_threshold: Any = 0.0) -> Any:
         return _resolve(topk=topk, is_causal=self.is_causal, scale=self._scale_arg, layout=layout, mode=mode,
                         cdf_threshold=cdf_threshold, sim_threshold=sim_threshold, smooth_k=smooth_k,
                         attention_sink=attention_sink, local_window=local_window, estimator=estimator,
-                        precision=self._precision_name, block_size=self._block_arg)
+                        precision=self._precision_name, block_size=self._block_arg, pv_threshold=pv_threshold)
 
     def run(self, q: Any, k: Any, v: Any, *, mask: Optional[Any] = None, topk: PerHead = 0.5,
             mode: str = "topk", cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1,
             smooth_k: bool = True, attention_sink: Optional[bool] = None, local_window: Optional[int] = None,
-            estimator: str = "auto", layout: str = "HND", out: Optional[Any] = None,
+            estimator: str = "auto", pv_threshold: float = 0.0, layout: str = "HND", out: Optional[Any] = None,
             workspace: Optional[Any] = None, return_lse: bool = False, stream: Optional[int] = None) -> Any:
         """:func:`sparge.attention` on this plan. ``workspace``: a 1-D buffer of at least
         :attr:`workspace_size` bytes on the plan's device (default: the package's cached one).
         Eager only with torch (under ``torch.compile`` use :func:`sparge.attention`)."""
         r = self._resolve(topk, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window,
-                          estimator)
+                          estimator, pv_threshold)
         return _attention(q, k, v, r, mask, out, False, return_lse, stream, plan=self._p(), workspace=workspace)
 
     def predict(self, q: Any, k: Any, *, topk: PerHead = 0.5, mode: str = "topk",
                 cdf_threshold: Optional[PerHead] = None, sim_threshold: PerHead = -0.1, smooth_k: bool = True,
                 attention_sink: Optional[bool] = None, local_window: Optional[int] = None, estimator: str = "auto",
-                layout: str = "HND", out: Optional[Any] = None,
+                pv_threshold: float = 0.0, layout: str = "HND", out: Optional[Any] = None,
                 workspace: Optional[Any] = None, return_kept: bool = False, stream: Optional[int] = None) -> Any:
         """:func:`sparge.predict_mask` on this plan (``out``: a uint8 :attr:`mask_shape` array)."""
         r = self._resolve(topk, layout, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window,
-                          estimator)
+                          estimator, pv_threshold)
         return _predict(q, k, r, return_kept, stream, out, plan=self._p(), workspace=workspace)
 
 

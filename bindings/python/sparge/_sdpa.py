@@ -82,8 +82,8 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
          topk: PerHead = 0.5, mode: str = "topk", cdf_threshold: Optional[PerHead] = None,
          sim_threshold: PerHead = -0.1, smooth_k: bool = True, attention_sink: Optional[bool] = None,
          local_window: Optional[int] = None, estimator: str = "auto",
-         precision: str = "auto", block_size: Tuple[int, int] = (128, 64), out: Optional[Any] = None,
-         stream: Optional[int] = None) -> Any:
+         precision: str = "auto", block_size: Tuple[int, int] = (128, 64), pv_threshold: float = 0.0,
+         out: Optional[Any] = None, stream: Optional[int] = None) -> Any:
     """Block-sparse attention with the signature and semantics of
     ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -103,7 +103,7 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
     - value's head dim must equal query's (``Ev == E``).
 
     The keywords after ``*`` are :func:`sparge.attention`'s sparsity options (``topk=1.0`` keeps
-    every block); ``out`` receives the result (query's shape, dtype and device).
+    every block; ``pv_threshold`` the PV skip); ``out`` receives the result (query's shape, dtype and device).
     """
     if attn_mask is not None:
         raise C.UnsupportedError(
@@ -178,12 +178,12 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None, drop
 
     if not causal or L == S or S == 0:
         r = _resolve_memo(topk, causal and S > 0, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
-                          attention_sink, local_window, estimator, precision, block_size)
+                          attention_sink, local_window, estimator, precision, block_size, pv_threshold)
         res = _attention(q4, k4, v4, r, None, o4, False, False, stream)
     else:
         def resolved(c: bool) -> Any:
             return _resolve_memo(topk, c, scale, "HND", mode, cdf_threshold, sim_threshold, smooth_k,
-                                 attention_sink, local_window, estimator, precision, block_size)
+                                 attention_sink, local_window, estimator, precision, block_size, pv_threshold)
 
         if L < S:
             # Top-left rule: query i sees keys 0..i <= L-1; keys L.. are never seen.

@@ -27,10 +27,11 @@ HAS_CUSTOM_OP = hasattr(torch.library, "custom_op") and hasattr(torch.library, "
 
 
 def _opts(layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-          smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int) -> core.Options:
+          smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int,
+          pv: float) -> core.Options:
     return core.Options(layout, bool(causal), float(scale), int(mode), float(topk), float(cdf), float(sim),
                         bool(smooth_k), int(sink), int(window), int(estimator), int(precision), int(block_q),
-                        int(block_k))
+                        int(block_k), float(pv))
 
 
 def _per_head(t: Optional[Tensor], lst: Optional[List[float]]) -> Any:
@@ -93,8 +94,9 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                    topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                    layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
                    smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int,
-                   want_lse: bool, want_kept: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, window, estimator, precision, block_q, block_k)
+                   pv: float, want_lse: bool, want_kept: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, window, estimator, precision, block_q,
+                 block_k, pv)
     heads = (_per_head(topk_t, topk_l), _per_head(cdf_t, cdf_l), _per_head(sim_t, sim_l))
     out, lse, kept = run_attention(q, k, v, mask, heads, opts, want_lse, want_kept)
     if lse is None:
@@ -109,7 +111,7 @@ def attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                    topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                    layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
                    smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int,
-                   want_lse: bool, want_kept: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                   pv: float, want_lse: bool, want_kept: bool) -> Tuple[Tensor, Tensor, Tensor]:
     p = core.PERM[layout]
     B, Hq, Lq = q.shape[p[0]], q.shape[p[1]], q.shape[p[2]]
     out = q.new_empty(q.shape)
@@ -134,9 +136,10 @@ def predict_impl(q: Tensor, k: Tensor,
                  topk_t: Optional[Tensor], cdf_t: Optional[Tensor], sim_t: Optional[Tensor],
                  topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                  layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-                 smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int
-                 ) -> Tuple[Tensor, Tensor]:
-    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, window, estimator, precision, block_q, block_k)
+                 smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int,
+                 pv: float) -> Tuple[Tensor, Tensor]:
+    opts = _opts(layout, causal, scale, mode, topk, cdf, sim, smooth_k, sink, window, estimator, precision, block_q,
+                 block_k, pv)
     qv, kv = torch_view(q), torch_view(k)
     s = core.check_qkv(qv, kv, None, layout)
 
@@ -153,8 +156,8 @@ def predict_fake(q: Tensor, k: Tensor,
                  topk_t: Optional[Tensor], cdf_t: Optional[Tensor], sim_t: Optional[Tensor],
                  topk_l: Optional[List[float]], cdf_l: Optional[List[float]], sim_l: Optional[List[float]],
                  layout: int, causal: bool, scale: float, mode: int, topk: float, cdf: float, sim: float,
-                 smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int
-                 ) -> Tuple[Tensor, Tensor]:
+                 smooth_k: bool, sink: int, window: int, estimator: int, precision: int, block_q: int, block_k: int,
+                 pv: float) -> Tuple[Tensor, Tensor]:
     p = core.PERM[layout]
     B, Hq, Lq = q.shape[p[0]], q.shape[p[1]], q.shape[p[2]]
     Lkv = k.shape[p[2]]

@@ -184,14 +184,15 @@ def _slice_heads(x: Any, h0: int, h1: int) -> Any:
 
 def _sparse_kw(topk: Any, mode: str, cdf_threshold: Any, sim_threshold: Any, smooth_k: bool,
                attention_sink: Optional[bool], local_window: Optional[int], estimator: str, precision: str,
-               block_size: Tuple[int, int], scale: Optional[float]) -> Dict[str, Any]:
+               block_size: Tuple[int, int], scale: Optional[float], pv_threshold: Any = 0.0) -> Dict[str, Any]:
     return dict(topk=topk, mode=mode, cdf_threshold=cdf_threshold, sim_threshold=sim_threshold,
                 smooth_k=smooth_k, attention_sink=attention_sink, local_window=local_window, estimator=estimator,
-                precision=precision, block_size=block_size, scale=scale)
+                precision=precision, block_size=block_size, scale=scale, pv_threshold=pv_threshold)
 
 
 def _attn_kw(kw: Dict[str, Any]) -> Dict[str, Any]:
-    return dict(precision=kw["precision"], block_size=kw["block_size"], scale=kw["scale"])
+    return dict(precision=kw["precision"], block_size=kw["block_size"], scale=kw["scale"],
+                pv_threshold=kw["pv_threshold"])
 
 
 def _single(q: Any, k: Any, v: Any, is_causal: bool, layout: str, mask: Any, return_lse: bool,
@@ -270,7 +271,7 @@ def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: b
                       smooth_k: bool = True, attention_sink: Optional[bool] = None,
                       local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
                       block_size: Tuple[int, int] = (128, 64), scale: Optional[float] = None,
-                      return_lse: bool = False, return_mask: bool = False) -> Any:
+                      pv_threshold: float = 0.0, return_lse: bool = False, return_mask: bool = False) -> Any:
     """Sparse attention over the whole sequence, Ulysses style (all-to-all over heads).
 
     Args:
@@ -284,8 +285,8 @@ def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: b
         mask: optional global uint8/bool block mask ``[B, Hq, ceil(N/BQ), ceil(N_kv/BK)]`` in
             natural token order (no prediction then), the same on every rank.
         topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window,
-            estimator, precision, block_size, scale: as in :func:`sparge.attention` (per-head values: for all ``Hq``
-            heads; each rank uses those of its heads).
+            estimator, precision, block_size, scale, pv_threshold: as in :func:`sparge.attention` (per-head
+            values: for all ``Hq`` heads; each rank uses those of its heads).
         return_lse: also return the float32 LSE of the local rows ``[B, Hq, S]``.
         return_mask: also return the mask this rank used: the global mask's rows of all query
             blocks for this rank's heads, ``[B, Hq / world, nQB, nKB]``.
@@ -297,7 +298,7 @@ def ulysses_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: b
     layout = _layout(layout)
     zig = bool(is_causal) if zigzag is None else bool(zigzag)
     kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window, estimator,
-                    precision, block_size, scale)
+                    precision, block_size, scale, pv_threshold)
     rank, world = _group_info(group)
     if world == 1:
         return _single(q, k, v, is_causal, layout, mask, return_lse, return_mask, kw)
@@ -420,7 +421,7 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
                    smooth_k: bool = True, attention_sink: Optional[bool] = None,
                       local_window: Optional[int] = None, estimator: str = "auto", precision: str = "auto",
                    block_size: Tuple[int, int] = (128, 64), scale: Optional[float] = None,
-                   return_lse: bool = False, return_mask: bool = False) -> Any:
+                   pv_threshold: float = 0.0, return_lse: bool = False, return_mask: bool = False) -> Any:
     """Sparse attention over the whole sequence, ring style (K/V shards travel around the ring).
 
     Args:
@@ -440,6 +441,9 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
             call with these over the global sequence: from this rank's queries and all of K
             (all-gathered), causal from all of Q and K, so each rank keeps exactly the rows of
             the mask one GPU would predict.
+        pv_threshold: the PV skip of :func:`sparge.attention`, applied in each ring step's call: a
+            row's running maximum there covers the keys of the visiting K/V shard only, so the
+            steps it skips can differ from one GPU's (mostly fewer).
         return_lse: also return the float32 LSE of the local rows ``[B, Hq, S]``.
         return_mask: also return the mask rows this rank used, ``[B, Hq, nQB_local, N/BK]``
             (its query blocks in shard order).
@@ -456,7 +460,7 @@ def ring_attention(q: Any, k: Any, v: Any, group: Any = None, *, is_causal: bool
     layout = _layout(layout)
     zig = bool(is_causal) if zigzag is None else bool(zigzag)
     kw = _sparse_kw(topk, mode, cdf_threshold, sim_threshold, smooth_k, attention_sink, local_window, estimator,
-                    precision, block_size, scale)
+                    precision, block_size, scale, pv_threshold)
     rank, world = _group_info(group)
     if world == 1:
         return _single(q, k, v, is_causal, layout, mask, return_lse, return_mask, kw)

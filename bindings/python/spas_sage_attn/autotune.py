@@ -9,8 +9,10 @@ path). Heads marked not sparse run with every block kept. Differences:
 
 - no tuning here: ``tune_mode=True`` or ``TUNE_MODE`` set raises ``sparge.UnsupportedError``;
   the tuned parameters must come from elsewhere (a state dict);
-- ``pvthreshd`` is loaded but not used (libsparge has no PV skip); ``simthreshd2`` likewise (the
-  original did not use it either);
+- ``pvthreshd`` runs the PV skip as the original's forward does, mapped by
+  :func:`sparge.compat.pv_threshold_of` (base 2 to nats, ``* ln 2``); libsparge takes one threshold
+  per call, so per-head values that differ run with the largest (a one-time ``UserWarning``);
+- ``simthreshd2`` is loaded but not used (the original did not use it either);
 - ``sim_rule``, ``l1``, ``pv_l1``, ``cos_sim``, ``rmse``, ``rearrange_kwargs`` and ``tune_pv`` are
   stored for compatibility only (they are tuning targets).
 """
@@ -75,7 +77,7 @@ class SparseAttentionMeansim(nn.Module):
             one = torch.ones_like(cdf)
             cdf, sim = torch.where(sparse, cdf, one), torch.where(sparse, sim, one)
         o, sparsity = spas_sage2_attn_meansim_cuda(q, k, v, mask, is_causal=is_causal, smooth_k=smooth_k,
-                                                   cdfthreshd=cdf, simthreshd1=sim, pvthreshd=None,
+                                                   cdfthreshd=cdf, simthreshd1=sim, pvthreshd=self.pvthreshd,
                                                    return_sparsity=True, attention_sink=True)
         return (o, sparsity) if return_sparsity else o
 

@@ -3,8 +3,8 @@
 (:mod:`sparge.integrations.diffusers`).
 
 Settings are keyword arguments of :func:`sparge.sdpa` (``topk``, ``mode``, ``cdf_threshold``,
-``sim_threshold``, ``smooth_k``, ``attention_sink``, ``local_window``, ``estimator``, ``precision``, ``block_size``) plus two of the
-integrations' own:
+``sim_threshold``, ``smooth_k``, ``attention_sink``, ``local_window``, ``estimator``, ``precision``,
+``block_size``, ``pv_threshold``) plus two of the integrations' own:
 
 - ``enabled`` (default True): False runs the layer with torch's dense
   ``scaled_dot_product_attention`` instead;
@@ -28,7 +28,7 @@ from .. import _capi as C
 
 #: keyword arguments passed through to sparge.sdpa
 SDPA_KEYS = ("topk", "mode", "cdf_threshold", "sim_threshold", "smooth_k", "attention_sink", "local_window",
-             "estimator", "precision", "block_size")
+             "estimator", "precision", "block_size", "pv_threshold")
 #: the integrations' own keys
 OWN_KEYS = ("enabled", "on_mask")
 KEYS = SDPA_KEYS + OWN_KEYS

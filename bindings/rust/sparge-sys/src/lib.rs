@@ -161,6 +161,7 @@ pub struct sparge_predict_params_t {
     pub topk_per_head: *const f32,
     pub cdf_threshold_per_head: *const f32,
     pub sim_threshold_per_head: *const f32,
+    /// PV skip threshold in nats: 0 = off; finite > 0 on (not with `SPARGE_PRECISION_EXACT`).
     pub pv_threshold: f32,
     /// Since 0.2: -1 = the default of the mode (causal 2, else 1), 0 = off, w >= 1 = diagonal blocks and
     /// w - 1 more per side.

@@ -423,7 +423,10 @@ pub struct PredictParams {
     pub topk_per_head: Option<Vec<f32>>,
     pub cdf_threshold_per_head: Option<Vec<f32>>,
     pub sim_threshold_per_head: Option<Vec<f32>>,
-    /// PV skip threshold; 0 = off (positive values are reserved).
+    /// PV skip threshold in nats; 0 = off. With `t > 0` a query row skips an online-softmax step
+    /// (its keys get weight 0, no P·V for them) when the step's largest score is below the row's
+    /// running maximum minus `t`. Every precision but `Exact` (there a positive value is
+    /// `Unsupported`); NaN, negative or infinite values are `InvalidArgument`.
     pub pv_threshold: f32,
 }
 

@@ -405,10 +405,17 @@ fn bad_inputs_are_errors_with_messages() {
     assert_eq!(e.status(), Status::InvalidArgument);
     assert!(e.message().contains("topk"), "{}", e.message());
 
-    // pv_threshold > 0 is reserved.
+    // pv_threshold > 0 has no Exact form; NaN, negative and infinite values are invalid.
     let pv = PredictParams { pv_threshold: 1.0, ..Default::default() };
     let e = plan.attention(&x, &x, &x, None, Some(&pv), &mut out, None).unwrap_err();
     assert_eq!(e.status(), Status::Unsupported);
+    assert!(e.message().contains("params->pv_threshold"), "{}", e.message());
+    for bad in [f32::NAN, -1.0, f32::INFINITY] {
+        let pv = PredictParams { pv_threshold: bad, ..Default::default() };
+        let e = plan.attention(&x, &x, &x, None, Some(&pv), &mut out, None).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument);
+        assert!(e.message().contains("params->pv_threshold"), "{}", e.message());
+    }
 
     // Wrong slice length: caught on the Rust side, before any pointer crosses.
     let e = plan.attention(&x[1..], &x, &x, None, None, &mut out, None).unwrap_err();
@@ -421,6 +428,51 @@ fn bad_inputs_are_errors_with_messages() {
 
     // A successful call clears nothing it should not: the plan still works.
     plan.attention(&x, &x, &x, None, None, &mut out, None).unwrap();
+}
+
+#[test]
+fn pv_skip_drops_the_steps_far_below_the_running_max() {
+    // Every query and the first 64 keys share a direction u, so those keys score about 12 nats above
+    // the others: with pv_threshold 1 every later step of a row is skipped, and the result is that of
+    // a mask keeping only the first step (the FP16 mode steps one 64-key block at a time on the CPU);
+    // with pv_threshold 60 nothing is skipped.
+    let (hq, lq, lkv, d) = (2usize, 128usize, 512usize, 64usize);
+    let prob = Problem::new(1, hq as i64, hq as i64, lq as i64, lkv as i64, d as i64)
+        .dtype(DType::F32)
+        .precision(Precision::Fp16);
+    let plan = Plan::new(&prob).unwrap();
+    let mut r = Rng(21);
+    let mut u = r.vec(d);
+    let norm = u.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let a = (12.0 * (d as f32).sqrt()).sqrt();
+    u.iter_mut().for_each(|x| *x *= a / norm);
+    let mut q = r.vec(hq * lq * d);
+    let mut k = r.vec(hq * lkv * d);
+    let v = r.vec(hq * lkv * d);
+    for (i, x) in q.iter_mut().enumerate() {
+        *x += u[i % d];
+    }
+    for h in 0..hq {
+        for j in 0..64 {
+            for c in 0..d {
+                k[(h * lkv + j) * d + c] += u[c];
+            }
+        }
+    }
+    let ones = vec![1u8; plan.mask_shape().iter().product::<i64>() as usize];
+    let mut first = ones.clone();
+    first.iter_mut().enumerate().for_each(|(i, m)| *m = (i % (lkv / 64) == 0) as u8);
+    let run = |mask: &[u8], pv: f32| {
+        let params = PredictParams { pv_threshold: pv, ..Default::default() };
+        let mut out = vec![0f32; q.len()];
+        plan.attention(&q, &k, &v, Some(mask), Some(&params), &mut out, None).unwrap();
+        out
+    };
+    let (base, skip, far, cut) = (run(&ones, 0.0), run(&ones, 1.0), run(&ones, 60.0), run(&first, 0.0));
+    assert_eq!(skip, cut);
+    assert_eq!(far, base);
+    let changed = (0..hq * lq).filter(|&i| base[i * d..][..d] != skip[i * d..][..d]).count();
+    assert!(changed > hq * lq * 9 / 10, "{changed} of {} rows changed", hq * lq);
 }
 
 #[test]
