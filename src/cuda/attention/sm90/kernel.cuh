@@ -33,6 +33,8 @@
 #pragma once
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "cuda/attention/sm90/cta.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
 #include "cuda/attention/sm90/trace.cuh"
@@ -75,23 +77,37 @@ __device__ __forceinline__ void first_qk(C& c, uint64_t dk, int me, int other) {
   fence_regs(c.s);
 }
 // Step u's turn: Q.K^T(u) (issue_qk) and P.V(u-1) from stage descriptor dv.
+//
+// skip_pv (the PV skip left P.V(u-1) out: wg_skip): the turn issues Q.K^T(u)
+// alone and commits an empty group in P.V's place (the waits count groups).
+// Two whole turns rather than a branch around the P.V issue, which makes
+// ptxas put a WARPGROUP.ARRIVE between the two batches (PERF-NOTES v75).
 template <class C, class IssueQK, class PA>
 __device__ __forceinline__ void step_turn(C& c, IssueQK issue_qk, uint64_t dv, const PA& pa, int me, int other,
                                           bool skip_pv) {
+  if (skip_pv) {
+    turn_begin(me);
+    issue_qk();
+    wgmma_commit();
+    wgmma_commit();
+    turn_end(other);
+    return;
+  }
   turn_begin(me);
   issue_qk();
   wgmma_commit();
-  if (!skip_pv) {
-    wgmma_fence();  // (ptxas would insert it: the branch starts a new block)
-    c.issue_pv(dv, pa);
-  }
-  wgmma_commit();  // (an empty group when P.V is skipped: the waits count groups)
+  c.issue_pv(dv, pa);
+  wgmma_commit();
   turn_end(other);
 }
 // After step u's turn: the row max of Q.K^T(u) while P.V(u-1) runs, then the
 // exponentials; Q.K^T(u)'s completion releases K of ring step g (split
 // rings), P.V(u-1)'s V of step g - 1, and O is rescaled. ap: the previous
-// step's rescale factors, in and out.
+// step's rescale factors, in and out. skp: whether P.V(u-1) was left out (in),
+// whether P.V(u) is (out; wg_skip). A mainloop that folds a fresh P.V
+// accumulator into O (C::kFoldsPV) has no fold after a left-out P.V: its
+// exponentials come in a second copy without it, so that the fold stays in
+// the exponentials' block (interleaved with them) where it runs.
 template <class ML, class C, class PA, int kHalves, class Ring>
 __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], const float (&ksc)[kHalves], PA& pa,
                                              const Ring& ring, int g, float& ap0, float& ap1, bool& skp) {
@@ -100,25 +116,33 @@ __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], con
   fence_regs(c.s);
   ring.release_k(g);
   const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
-  const bool skp_prev = skp;  // P.V(u-1) was left out: nothing to fold
+  const bool skp_prev = skp;
   skp = wg_skip(c.p, st.skip_warp, c.cw);
-  if constexpr (ML::kMaxUnderPV) {
-    // The wait sits inside the exponentials' branch arms: ptxas schedules
-    // within a basic block and would otherwise sink the row max below it.
-    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+  auto run = [&](auto fold) {
+    if constexpr (ML::kMaxUnderPV) {
+      // The wait sits inside the exponentials' branch arms: ptxas schedules
+      // within a basic block and would otherwise sink the row max below it.
+      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+        wgmma_wait<0>();  // P.V(u-1) done
+        c.fence_pv();
+        fence_regs(pa);
+        ring.release_v(g - 1);
+        if constexpr (decltype(fold)::value) c.after_pv(ap0, ap1, ac0, ac1);
+      });
+    } else {
       wgmma_wait<0>();  // P.V(u-1) done
       c.fence_pv();
       fence_regs(pa);
       ring.release_v(g - 1);
-      c.after_pv(ap0, ap1, ac0, ac1, skp_prev);
-    });
-  } else {
-    wgmma_wait<0>();  // P.V(u-1) done
-    c.fence_pv();
-    fence_regs(pa);
-    ring.release_v(g - 1);
-    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] { c.after_pv(ap0, ap1, ac0, ac1, skp_prev); });
-  }
+      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
+        if constexpr (decltype(fold)::value) c.after_pv(ap0, ap1, ac0, ac1);
+      });
+    }
+  };
+  if (C::kFoldsPV && skp_prev)
+    run(std::false_type{});
+  else
+    run(std::true_type{});
   ap0 = ac0;
   ap1 = ac1;
 }
@@ -130,9 +154,10 @@ __device__ __forceinline__ void last_pv(C& c, const PA& pa, const Ring& ring, in
                                         float ap1, bool skip_pv, bool hand_on = false) {
   const uint64_t dv = c.desc_v(g % Ring::kStagesC);
   ring.wait_v(g);
-  turn_begin(me);
-  if (!skip_pv) {
-    wgmma_fence();  // (ptxas would insert it: the branch starts a new block)
+  if (skip_pv) {  // (the fence and the P.V batch in one block, as in step_turn)
+    turn_begin(me);
+  } else {
+    turn_begin(me);
     c.issue_pv(dv, pa);
   }
   wgmma_commit();
@@ -271,10 +296,9 @@ __device__ __forceinline__ void consume_serial(C& c, const RowWork& w, const Rin
     ring.release_k(u);
     float ac0, ac1;
     const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
-    const bool skp_prev = skp;
     skp = wg_skip(c.p, st.skip_warp, c.cw);
     c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
-      if (u > 0) c.after_pv(ap0, ap1, ac0, ac1, skp_prev);  // O *= alpha(u); O is still 0 at step 0
+      if (u > 0) c.after_pv(ap0, ap1, ac0, ac1);  // O *= alpha(u); O is still 0 at step 0
     });
     ring.wait_v(u);
     if (!skp) {
