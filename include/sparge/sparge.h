@@ -186,7 +186,8 @@ typedef struct sparge_predict_params {
   float pv_threshold;             /* PV skip; 0 (default) = off. tau > 0: a query
                                      row skips a softmax step whose scores are all
                                      more than tau nats below its running max
-                                     (not with SPARGE_PRECISION_EXACT)           */
+                                     (CPU backend; not with SPARGE_PRECISION_EXACT;
+                                     CUDA plans: SPARGE_ERR_UNSUPPORTED for now) */
   /* --- since 0.2 (read only when struct_size covers them; older callers get
    *     the defaults of the mode: local_window -1, SPARGE_ESTIMATOR_AUTO) */
   int32_t local_window;           /* w >= 1: keep the key blocks on the diagonal and

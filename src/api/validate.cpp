@@ -327,6 +327,11 @@ sparge_status_t read_params(const Plan& plan, const sparge_predict_params_t* par
                 "params->pv_threshold is %g: the PV skip has no EXACT form (the float64 reference computes every "
                 "kept key), expected 0 with SPARGE_PRECISION_EXACT",
                 double(in.pv_threshold));
+  if (in.pv_threshold > 0.0f && plan.prob.device == SPARGE_DEVICE_CUDA)
+    return fail(SPARGE_ERR_UNSUPPORTED,
+                "params->pv_threshold is %g: the CUDA kernels have no PV skip in this release (the CPU backend has "
+                "it; docs/SEMANTICS.md, \"PV skip\"), expected 0 on a CUDA plan",
+                double(in.pv_threshold));
   if (mode == SPARGE_SELECT_TOPK)
     SPARGE_TRY(check_per_head(plan, in.topk_per_head, "topk_per_head", true, query_pointers));
   if (mode == SPARGE_SELECT_CDF)

@@ -467,7 +467,6 @@ sparge_status_t attention(const Plan& plan, const Tensor4& q, const Tensor4& k, 
   a.out = out;
   if (lse) a.lse = *lse;
   a.sm_count = plan.sm_count;
-  a.pv_threshold = cfg.pv_threshold;  // part of the call key: a cached setup holds the same value
   // Every check of the attention kernel and its tensor maps, before anything
   // is queued; a call with the arguments of an earlier one takes that call's
   // setup from the plan's cache (the setup is a function of the key alone).

@@ -168,6 +168,7 @@ struct Resolved {
   int BQ, BK, es;
   bool causal;
   bool exact = false;  // SPARGE_PRECISION_EXACT (no PV skip)
+  bool gpu = false;    // a CUDA plan (no PV skip in this release)
 };
 
 // Exact CPU workspace bytes of a resolved problem (the regions of core/workspace.cpp,
@@ -221,7 +222,7 @@ Expect expect_plan(const sparge_problem_t& p, Resolved* res) {
   if (gpu ? BQ != 128 : BQ > 1024) return F(UNS, "block_q");
   if (gpu ? BK != 64 : BK > 1024) return F(UNS, "block_k");
   Resolved r{p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_kv, p.head_dim, cdiv(p.len_q, BQ), cdiv(p.len_kv, BK),
-             BQ, BK, dt == SPARGE_DTYPE_FLOAT32 ? 4 : 2, p.causal != 0, prec == SPARGE_PRECISION_EXACT};
+             BQ, BK, dt == SPARGE_DTYPE_FLOAT32 ? 4 : 2, p.causal != 0, prec == SPARGE_PRECISION_EXACT, gpu};
   const i128 lim = I64MAX;
   i128 raw = 0;
   const bool overflow = mul_sat({r.B, r.Hq, r.Lq, r.D, r.es}) > lim || mul_sat({r.B, r.Hkv, r.Lkv, r.D, r.es}) > lim ||
@@ -769,8 +770,8 @@ void run_call(Ctx& c, Fn fn) {
     }
   }
   gen_params(s, r.Hq, true, call.params);
-  // A valid PV skip that the plan's precision cannot do (read_params checks it last).
-  if (!call.params.null && r.exact && call.params.p.pv_threshold > 0.0f)
+  // A valid PV skip that the plan's precision or device cannot do (read_params checks it last).
+  if (!call.params.null && (r.exact || r.gpu) && call.params.p.pv_threshold > 0.0f)
     call.params.defect = expect_fail(UNS, "params->pv_threshold");
   gen_workspace(s, c.ws_need, real, call.ws);
 

@@ -244,3 +244,22 @@ def test_compat_block_sparse_runs_the_skip(rng):
     assert changed_rows(got, sparge.block_sparse_sage2_attn_cuda(q, k, v, mask_id=mask_id)) > 0.75
     with pytest.raises(sparge.InvalidArgumentError, match="pvthreshd has 3 values"):
         sparge.block_sparse_sage2_attn_cuda(q, k, v, mask_id=mask_id, pvthreshd=[1.0, 2.0, 3.0])
+
+
+def test_compat_drops_pvthreshd_on_cuda_inputs_with_one_warning():
+    # CUDA plans refuse pv_threshold > 0 in this release: the compat names drop it on CUDA inputs.
+    import warnings
+
+    from sparge import compat
+
+    class FakeCuda:
+        is_cuda = True
+
+    compat._pv_cuda_warned = False
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert compat._pv_on(FakeCuda(), 2.5) == 0.0
+        assert compat._pv_on(FakeCuda(), 2.5) == 0.0
+    assert sum("not applied to CUDA inputs" in str(x.message) for x in w) == 1
+    assert compat._pv_on(object(), 2.5) == 2.5  # host inputs keep it
+    assert compat._pv_on(FakeCuda(), 0.0) == 0.0

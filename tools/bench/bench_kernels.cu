@@ -54,22 +54,6 @@ __global__ void fill_blocks_kernel(uint16_t* p, size_t n, int64_t L, int64_t D, 
   }
 }
 
-__device__ __forceinline__ float float16(uint16_t b, int is_fp16) {
-  if (is_fp16) return __half2float(*reinterpret_cast<const __half*>(&b));
-  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&b));
-}
-
-__global__ void add_sink_kernel(uint16_t* p, size_t n, int64_t L, int64_t D, int64_t rows, float a, int is_fp16) {
-  const float e = a * rsqrtf(static_cast<float>(D));
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const uint64_t d = i % uint64_t(D), r = (i / uint64_t(D)) % uint64_t(L);
-    if (r >= uint64_t(rows)) continue;
-    const float u = (mix64(0x51c0ull ^ d) & 1) ? e : -e;
-    p[i] = bits16(float16(p[i], is_fp16) + u, is_fp16);
-  }
-}
-
 __global__ void count_nan_kernel(const uint16_t* p, size_t n, int is_fp16, unsigned long long* count) {
   unsigned long long local = 0;
   const uint16_t lim = is_fp16 ? 0x7c00u : 0x7f80u;
@@ -89,12 +73,6 @@ cudaError_t bench_fill_normal(uint16_t* p, size_t n, uint64_t seed, float stddev
 cudaError_t bench_fill_blocks(uint16_t* p, size_t n, int64_t L, int64_t D, float share, uint64_t seed, bool fp16,
                               cudaStream_t s) {
   fill_blocks_kernel<<<1024, 256, 0, s>>>(p, n, L, D, share, seed, fp16 ? 1 : 0);
-  return cudaGetLastError();
-}
-
-cudaError_t bench_add_sink(uint16_t* p, size_t n, int64_t L, int64_t D, int64_t rows, float a, bool fp16,
-                           cudaStream_t s) {
-  add_sink_kernel<<<1024, 256, 0, s>>>(p, n, L, D, rows, a, fp16 ? 1 : 0);
   return cudaGetLastError();
 }
 

@@ -11,10 +11,5 @@ cudaError_t bench_fill_normal(uint16_t* p, size_t n, uint64_t seed, float stddev
 // 120 degrees apart in a `share` of the blocks (the inputs KEYS_LSE_ADAPTIVE splits).
 cudaError_t bench_fill_blocks(uint16_t* p, size_t n, int64_t L, int64_t D, float share, uint64_t seed, bool fp16,
                               cudaStream_t s);
-// Adds a * u to the first `rows` rows of every head of [B*H][L][D] (all rows: rows >= L), u a
-// fixed unit vector of entries +-1/sqrt(D): given to Q and to the first 64 keys, the queries
-// share a direction with those keys (an attention sink, about a^2 * scale above the rest).
-cudaError_t bench_add_sink(uint16_t* p, size_t n, int64_t L, int64_t D, int64_t rows, float a, bool fp16,
-                           cudaStream_t s);
 // Counts NaN values among n 16-bit values into *d_count (device memory).
 cudaError_t bench_count_nan(const uint16_t* p, size_t n, bool fp16, unsigned long long* d_count, cudaStream_t s);

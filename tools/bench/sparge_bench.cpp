@@ -51,8 +51,6 @@ struct Options {
   sparge_dtype_t dtype = SPARGE_DTYPE_BFLOAT16;
   float topk = 0.5f;
   float q_split = -1.0f;  // < 0: independent normal Q rows
-  float pv = 0.0f;        // pv_threshold (0: off)
-  float sink = 0.0f;      // > 0: Q and the first 64 keys share a direction of this norm (bench_add_sink)
   sparge_estimator_t estimator = SPARGE_ESTIMATOR_KEYS_LSE;
   int warmup = 3, min_iters = 10, max_iters = 100;
   double target_ms = 250;
@@ -96,9 +94,6 @@ void usage() {
       "                    default: keys_lse_adaptive when not causal, keys_lse when causal)\n"
       "  --q-split S       Q with 128-row block structure: one cluster per block, two in a share S\n"
       "                    of the blocks (0..1; default: independent normal rows)\n"
-      "  --pv T            pv_threshold: the PV skip at T nats (default 0, off)\n"
-      "  --sink A          Q and keys 0..63 of every head share a direction of norm A (an attention\n"
-      "                    sink about A^2/sqrt(D) nats above the other keys; default 0, none)\n"
       "  --lse             also write the LSE output\n"
       "  --warmup N (3)  --min-iters N (10)  --max-iters N (100)  --target-ms T (250)\n"
       "  --quick           N=8K, D=128, non-causal, warmup 1, 3..5 iterations\n"
@@ -159,10 +154,6 @@ bool parse(int argc, char** argv, Options& o) {
                      e.c_str());
         return false;
       }
-    } else if (a == "--pv") {
-      o.pv = std::strtof(next().c_str(), nullptr);
-    } else if (a == "--sink") {
-      o.sink = std::strtof(next().c_str(), nullptr);
     } else if (a == "--lse") {
       o.lse = true;
     } else if (a == "--warmup") {
@@ -324,7 +315,6 @@ int main(int argc, char** argv) {
               : o.estimator == SPARGE_ESTIMATOR_AUTO              ? "auto"
                                                                   : "mean");
   if (o.q_split >= 0.f) std::printf("# Q: 128-row blocks of one cluster, two in a share %.2f of them\n\n", o.q_split);
-  if (o.pv > 0.f || o.sink > 0.f) std::printf("# pv_threshold %g; sink norm %g\n\n", o.pv, o.sink);
   std::fflush(stdout);
 
   cudaStream_t stream;
@@ -355,10 +345,6 @@ int main(int argc, char** argv) {
             CK(bench_fill_normal(static_cast<uint16_t*>(qs.back().p), elems, seed ^ 1, 1.0f, fp16, stream));
           CK(bench_fill_normal(static_cast<uint16_t*>(ks.back().p), elems_kv, seed ^ 2, 1.0f, fp16, stream));
           CK(bench_fill_normal(static_cast<uint16_t*>(vs.back().p), elems_kv, seed ^ 3, 1.0f, fp16, stream));
-          if (o.sink > 0.f) {
-            CK(bench_add_sink(static_cast<uint16_t*>(qs.back().p), elems, N, D, N, o.sink, fp16, stream));
-            CK(bench_add_sink(static_cast<uint16_t*>(ks.back().p), elems_kv, N, D, 64, o.sink, fp16, stream));
-          }
         }
         Buf out(elems * 2), lse(static_cast<size_t>(B * H * N) * 4);
         const int64_t shape[4] = {B, H, N, D}, str[4] = {H * N * D, N * D, D, 1};
@@ -422,7 +408,6 @@ int main(int argc, char** argv) {
         sparge_predict_params_t prm = SPARGE_PREDICT_PARAMS_INIT;
         prm.topk = o.topk;
         prm.estimator = o.estimator;
-        prm.pv_threshold = o.pv;
         double dense_ms = NAN, pred_density = NAN;
 
         auto emit = [&](Row r) {

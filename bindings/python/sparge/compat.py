@@ -92,6 +92,26 @@ def _compiling() -> bool:
         return False
 
 
+_pv_cuda_warned = False
+
+
+def _pv_on(q: Any, pv: float) -> float:
+    """``pv`` for a call on ``q``'s device: the CUDA kernels have no PV skip in this release (a CUDA
+    plan refuses ``pv_threshold > 0``), so on a CUDA input the threshold is dropped, with a one-time
+    ``UserWarning``, and the attention runs without the skip (as the original at a threshold that
+    skips nothing)."""
+    global _pv_cuda_warned
+    on_cuda = bool(getattr(q, "is_cuda", False)) or hasattr(q, "__cuda_array_interface__")
+    if pv <= 0.0 or not on_cuda:
+        return pv
+    if not _pv_cuda_warned and not _compiling():
+        _pv_cuda_warned = True
+        warnings.warn("pvthreshd is not applied to CUDA inputs: libsparge's CUDA kernels have no PV skip in this "
+                      "release (its CPU backend has); the attention is computed without it", UserWarning,
+                      stacklevel=3)
+    return 0.0
+
+
 def _pv_values(pvthreshd: Any, heads: Optional[int]) -> list:
     """The values of a pvthreshd given as a number, a sequence or a tensor (read on the host)."""
     if isinstance(pvthreshd, (bool, np.bool_, str, bytes)):
@@ -200,7 +220,7 @@ def _predicted(q: Any, k: Any, v: Any, *, attn_mask: Any, dropout_p: float, is_c
                pvthreshd: Any, attention_sink: bool, tensor_layout: str, output_dtype: Any,
                return_sparsity: bool, return_lse: bool, precision: str) -> Any:
     _unsupported_extras(attn_mask, dropout_p)
-    pv = pv_threshold_of(pvthreshd, _heads(q, tensor_layout))
+    pv = _pv_on(q, pv_threshold_of(pvthreshd, _heads(q, tensor_layout)))
     q, k, v = _prepare(q, k, v)
     if topk is not None:
         mode, cdf = "topk", None
@@ -303,7 +323,7 @@ def block_sparse_sage2_attn_cuda(q: Any, k: Any, v: Any, mask_id: Any = None, dr
     _unsupported_extras(None, dropout_p)
     if tensor_layout not in ("HND", "NHD"):
         raise C.InvalidArgumentError("tensor_layout must be 'HND' or 'NHD', got %r" % (tensor_layout,))
-    pv = pv_threshold_of(pvthreshd, _heads(q, tensor_layout))
+    pv = _pv_on(q, pv_threshold_of(pvthreshd, _heads(q, tensor_layout)))
     q, k, v = _prepare(q, k, v)
     # no mask: every block, as the dense call (top-k 1: no prediction, no index lists on CUDA)
     res = attention(q, k, v, mask=mask_id, topk=1.0, is_causal=is_causal, scale=scale, layout=tensor_layout,

@@ -41,7 +41,6 @@ struct AttnArgs {
   Tensor4 out;
   LseView lse;                     // lse.data == nullptr: not wanted
   int sm_count = 0;                // the device's multiprocessors (grids of persistent CTAs)
-  float pv_threshold = 0.f;        // PV skip (PredictConfig::pv_threshold; 0: off)
 };
 
 // The scheduling stage's read-ahead contract with the attention kernels: the

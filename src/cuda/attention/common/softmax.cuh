@@ -116,15 +116,10 @@ struct OnlineSoftmax {
     l0 = l1 = 0.f;
   }
 
-  // skip_warp: the PV skip (docs/SEMANTICS.md, "PV skip") drops the step for
-  // all 16 rows of this warp and none of them has a NaN score in it: its P is
-  // zero and its exponentials need not run (warp-uniform). A row that skips
-  // alone gets the shift c = -inf, so its p are 0 (a NaN score stays NaN).
   struct StepScale {
     float f0[kHalves], f1[kHalves];
     float c0, c1;
     bool masked_any;
-    bool skip_warp;
   };
 
   // The masked scores of listed block kb (slot hh of the step, first key
@@ -153,7 +148,6 @@ struct OnlineSoftmax {
                                                float& alpha0, float& alpha1) {
     StepScale st;
     st.masked_any = false;
-    st.skip_warp = false;
     // The masked scores of a step: kMasked where a listed block is missing,
     // past the ragged end or (causal) past a row's diagonal. The two arms
     // differ only in the FP16 mode's non-finite rule; each keeps the code its
@@ -191,8 +185,6 @@ struct OnlineSoftmax {
       }
     }
     float mn0, mn1;
-    float sx0, sx1;  // the step's max of the row's scores in base 2 (-inf: none)
-    bool nan_scale = false;  // kI8: a listed block's K scale is NaN (its scores are NaN)
     if constexpr (kI8) {
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -203,10 +195,7 @@ struct OnlineSoftmax {
         quad_row_max_s32(s, hh * 32, im0, im1);
         if (im0 != INT32_MIN) mx0 = fmaxf(mx0, small_int_to_float(im0) * st.f0[hh]);
         if (im1 != INT32_MIN) mx1 = fmaxf(mx1, small_int_to_float(im1) * st.f1[hh]);
-        nan_scale |= ksc[hh] != ksc[hh];
       }
-      sx0 = mx0;
-      sx1 = mx1;
       mn0 = fmaxf(m0, mx0);
       mn1 = fmaxf(m1, mx1);
     } else {
@@ -223,30 +212,8 @@ struct OnlineSoftmax {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      sx0 = mx0 * p.scale_log2;
-      sx1 = mx1 * p.scale_log2;
-      mn0 = fmaxf(m0, sx0);
-      mn1 = fmaxf(m1, sx1);
-    }
-    // PV skip: the step's max below m - tau2 (m = -inf: never). Rows keep m
-    // (mn = m), so alpha = 2^0 = 1 below; a NaN score never sets the max,
-    // so the warp-wide skip looks for one (kI8: a NaN K scale; 16-bit: a NaN
-    // score, or in a step without masks a -inf one, which is NaN by the
-    // non-finite rule) before it drops the exponentials.
-    bool sk0 = false, sk1 = false;
-    if (p.pv_skip) {
-      sk0 = sx0 < m0 - p.pv_tau2;
-      sk1 = sx1 < m1 - p.pv_tau2;
-      if (__all_sync(0xffffffffu, sk0 && sk1)) {
-        bool bad = false;
-        if constexpr (kI8) {
-          bad = nan_scale;
-        } else {
-#pragma unroll
-          for (int j = 0; j < NS; ++j) bad |= st.masked_any ? (s[j] != s[j]) : !(s[j] > -INFINITY);
-        }
-        st.skip_warp = !__any_sync(0xffffffffu, bad);
-      }
+      mn0 = fmaxf(m0, mx0 * p.scale_log2);
+      mn1 = fmaxf(m1, mx1 * p.scale_log2);
     }
     const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
     const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
@@ -258,8 +225,8 @@ struct OnlineSoftmax {
     // int->float (folding the conversion's magic constant into the FFMA too
     // would round a constant of size 1.26e7*f, an error that grows with the
     // score scale).
-    st.c0 = sk0 ? -INFINITY : Pack::kLog2Scale - mu0;
-    st.c1 = sk1 ? -INFINITY : Pack::kLog2Scale - mu1;
+    st.c0 = Pack::kLog2Scale - mu0;
+    st.c1 = Pack::kLog2Scale - mu1;
     return st;
   }
 
@@ -276,12 +243,6 @@ struct OnlineSoftmax {
   template <typename Alongside>
   __device__ __forceinline__ void exponentiate(const Acc (&s)[NS], const StepScale& st, float alpha0, float alpha1,
                                                uint32_t (&pa)[KS][4], Alongside alongside) {
-    if (st.skip_warp) {  // every row keeps m and l (alpha = 1); P is zero
-      alongside();
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
-      return;
-    }
     float rs0 = 0.f, rs1 = 0.f;
     auto exps = [&](auto masked) {
       alongside();

@@ -30,8 +30,6 @@ struct Params {
   int q_rows;            // query rows per CTA tile: 128 (a mask row), or the wide dense tiles'
                          // 192 (then nQB and n_rows count those tiles: sm90 Mainloop16::Wide)
   float scale_log2;      // scale * log2(e)
-  int pv_skip;           // the PV skip is on (docs/SEMANTICS.md, "PV skip")
-  float pv_tau2;         // its threshold in base-2 units (core/problem.hpp, pv_tau2)
   int tma_store;         // the output goes out through shared memory and the tm_o tensor map
   int out_bf16;          // the output's 16-bit type (mainloops not templated on it)
   const float* q_scale;  // [BHq, nQB*128]  int8 Q.K^T
@@ -65,8 +63,6 @@ inline Params make_params(const AttnArgs& a) {
   p.n_rows = static_cast<int>(pb.B * pb.Hq * pb.nQB);
   p.q_rows = kGpuBlockQ;
   p.scale_log2 = pb.scale * kLog2e;
-  p.pv_skip = a.pv_threshold > 0.0f ? 1 : 0;
-  p.pv_tau2 = pv_tau2(a.pv_threshold);
   p.out_bf16 = pb.dtype == SPARGE_DTYPE_BFLOAT16 ? 1 : 0;
   p.q_scale = a.q_scale;
   p.q_mu = a.q_mu;

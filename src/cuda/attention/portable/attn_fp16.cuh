@@ -80,8 +80,6 @@ struct Params {
   int q_rows;        // query rows per CTA (128: attn::RowWork)
   int D;             // the problem's head dim (<= the kernel's; D = 96 runs the 128-wide kernel)
   float scale_log2;  // scale * log2(e), > 0
-  int pv_skip;       // the PV skip is on (docs/SEMANTICS.md, "PV skip")
-  float pv_tau2;     // its threshold in base-2 units (core/problem.hpp, pv_tau2)
 };
 
 // Shared-memory tiles are [rows][D] 16-bit values, row pitch D*2 bytes (128 or
@@ -243,11 +241,6 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
       }
     }
 
-    // PV skip (docs/SEMANTICS.md, "PV skip"): a row whose tile max is below
-    // m - tau2 keeps m (alpha = 1) and takes p = 2^-inf = 0 (a NaN score
-    // stays NaN, and so does l); when every row of the warp does, the P.V
-    // products are left out (a NaN row is NaN through l alone).
-    bool skip_all = p.pv_skip != 0;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       // ---- a score of exactly -inf (an infinite k element) becomes NaN, so
@@ -280,15 +273,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
       // seen no key yet keeps m' = -inf and uses 0 as the reference, so its p
       // and alpha are exactly 0 (no NaN).
       float ref[2], alpha[2];
-      bool skip[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float sx = mx[r] * sl2;
-        skip[r] = p.pv_skip && sx < m[mt][r] - p.pv_tau2;
-        skip_all = skip_all && skip[r];
-        const float mnew = fmaxf(m[mt][r], sx);
+        const float mnew = fmaxf(m[mt][r], mx[r] * sl2);
         ref[r] = (mnew == -INFINITY) ? 0.f : mnew;
         alpha[r] = ex2(m[mt][r] - ref[r]);
         m[mt][r] = mnew;
@@ -301,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
         o[mt][j][2] *= alpha[1];
         o[mt][j][3] *= alpha[1];
       }
-      const float nref0 = skip[0] ? -INFINITY : -ref[0], nref1 = skip[1] ? -INFINITY : -ref[1];
+      const float nref0 = -ref[0], nref1 = -ref[1];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         s[mt][j][0] = ex2(fmaf(s[mt][j][0], sl2, nref0));
@@ -319,7 +308,6 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) attn_fp16_kernel(co
     //   a1 = P[g+8][16kk+2t..] = n-tile 2kk   (c2,c3)
     //   a2 = P[g][16kk+8+2t..] = n-tile 2kk+1 (c0,c1)
     //   a3 = P[g+8][...]       = n-tile 2kk+1 (c2,c3)
-    if (__all_sync(0xffffffffu, skip_all)) continue;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t a[kMT][4];

@@ -240,10 +240,8 @@ struct Int8Cta {
       uint32_t pa[KS][4];
       c.sm.exponentiate(s, st, al0, al1, pa, [] {});
 
-      // ---- O = O * alpha + P V (nothing when the PV skip drops the step for
-      // all of this warp's rows: alpha = 1 and P = 0)
-      if (st.skip_warp) {
-      } else if constexpr (PV::kFp8) {
+      // ---- O = O * alpha + P V
+      if constexpr (PV::kFp8) {
         // k-step ks: keys 32ks..32ks+31 of the step = tile ks/2, chunks
         // 2(ks%2), +1 of its V^T rows.
 #pragma unroll

@@ -62,8 +62,6 @@ sparge_status_t portable_setup(const AttnArgs& a, LaunchBlob* blob, bool* applie
   p.nKB = static_cast<int>(pr.nKB);
   p.D = static_cast<int>(pr.D);
   p.scale_log2 = pr.scale * kLog2e;
-  p.pv_skip = a.pv_threshold > 0.0f ? 1 : 0;
-  p.pv_tau2 = pv_tau2(a.pv_threshold);
   s->grid = pr.B * pr.Hq * pr.nQB;
   return SPARGE_OK;
 }

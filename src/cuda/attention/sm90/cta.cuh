@@ -20,7 +20,6 @@ using attn::RowWork;
 constexpr int kTurnBar0 = 1;  // named barriers 1-3: consumer turn-taking (0 is __syncthreads; 3 only with
                               // three consumers, which the INT8_FP8 mainloop's barrier 3 never has)
 constexpr int kEpiBar0 = 4;   // named barriers 4-6: a consumer warpgroup's staged output tile is complete
-constexpr int kSkipBar0 = 7;  // named barriers 7-9: a consumer warpgroup's PV-skip vote
 
 // The tensor maps a kernel reads (q, k, v, v2: the second V term of split V)
 // and writes (o), passed as __grid_constant__ kernel parameters.
@@ -235,27 +234,6 @@ __device__ __forceinline__ void turn_begin(int me) {
   wgmma_fence();
 }
 __device__ __forceinline__ void turn_end(int other) { named_bar_arrive(kTurnBar0 + other, 256); }
-
-// The PV skip of a step for consumer warpgroup cw (docs/SEMANTICS.md, "PV
-// skip"): true when every warp of it drops the step (StepScale::skip_warp),
-// so that the warpgroup-wide P.V wgmma and its fold can be left out. A
-// barrier reduction over the warpgroup's 128 threads; false when the skip is
-// off (no barrier).
-__device__ __forceinline__ bool wg_skip(const Params& p, bool skip_warp, int cw) {
-  if (!p.pv_skip) return false;
-  uint32_t r;
-  asm volatile(
-      "{\n"
-      ".reg .pred a, b;\n"
-      "setp.ne.u32 a, %1, 0;\n"
-      "bar.red.and.pred b, %2, 128, a;\n"
-      "selp.u32 %0, 1, 0, b;\n"
-      "}\n"
-      : "=r"(r)
-      : "r"(uint32_t(skip_warp)), "r"(kSkipBar0 + cw)
-      : "memory");
-  return r != 0;
-}
 
 }  // namespace sm90
 }  // namespace cuda

@@ -33,8 +33,6 @@
 #pragma once
 #include <cuda.h>
 
-#include <type_traits>
-
 #include "cuda/attention/sm90/cta.cuh"
 #include "cuda/attention/sm90/primitives.cuh"
 #include "cuda/attention/sm90/trace.cuh"
@@ -77,22 +75,8 @@ __device__ __forceinline__ void first_qk(C& c, uint64_t dk, int me, int other) {
   fence_regs(c.s);
 }
 // Step u's turn: Q.K^T(u) (issue_qk) and P.V(u-1) from stage descriptor dv.
-//
-// skip_pv (the PV skip left P.V(u-1) out: wg_skip): the turn issues Q.K^T(u)
-// alone and commits an empty group in P.V's place (the waits count groups).
-// Two whole turns rather than a branch around the P.V issue, which makes
-// ptxas put a WARPGROUP.ARRIVE between the two batches (PERF-NOTES v75).
 template <class C, class IssueQK, class PA>
-__device__ __forceinline__ void step_turn(C& c, IssueQK issue_qk, uint64_t dv, const PA& pa, int me, int other,
-                                          bool skip_pv) {
-  if (skip_pv) {
-    turn_begin(me);
-    issue_qk();
-    wgmma_commit();
-    wgmma_commit();
-    turn_end(other);
-    return;
-  }
+__device__ __forceinline__ void step_turn(C& c, IssueQK issue_qk, uint64_t dv, const PA& pa, int me, int other) {
   turn_begin(me);
   issue_qk();
   wgmma_commit();
@@ -103,46 +87,32 @@ __device__ __forceinline__ void step_turn(C& c, IssueQK issue_qk, uint64_t dv, c
 // After step u's turn: the row max of Q.K^T(u) while P.V(u-1) runs, then the
 // exponentials; Q.K^T(u)'s completion releases K of ring step g (split
 // rings), P.V(u-1)'s V of step g - 1, and O is rescaled. ap: the previous
-// step's rescale factors, in and out. skp: whether P.V(u-1) was left out (in),
-// whether P.V(u) is (out; wg_skip). A mainloop that folds a fresh P.V
-// accumulator into O (C::kFoldsPV) has no fold after a left-out P.V: its
-// exponentials come in a second copy without it, so that the fold stays in
-// the exponentials' block (interleaved with them) where it runs.
+// step's rescale factors, in and out.
 template <class ML, class C, class PA, int kHalves, class Ring>
 __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], const float (&ksc)[kHalves], PA& pa,
-                                             const Ring& ring, int g, float& ap0, float& ap1, bool& skp) {
+                                             const Ring& ring, int g, float& ap0, float& ap1) {
   float ac0, ac1;  // rescale factors of the current step
   wgmma_wait<1>();  // Q.K^T(u) done
   fence_regs(c.s);
   ring.release_k(g);
   const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
-  const bool skp_prev = skp;
-  skp = wg_skip(c.p, st.skip_warp, c.cw);
-  auto run = [&](auto fold) {
-    if constexpr (ML::kMaxUnderPV) {
-      // The wait sits inside the exponentials' branch arms: ptxas schedules
-      // within a basic block and would otherwise sink the row max below it.
-      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
-        wgmma_wait<0>();  // P.V(u-1) done
-        c.fence_pv();
-        fence_regs(pa);
-        ring.release_v(g - 1);
-        if constexpr (decltype(fold)::value) c.after_pv(ap0, ap1, ac0, ac1);
-      });
-    } else {
+  if constexpr (ML::kMaxUnderPV) {
+    // The wait sits inside the exponentials' branch arms: ptxas schedules
+    // within a basic block and would otherwise sink the row max below it.
+    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
       wgmma_wait<0>();  // P.V(u-1) done
       c.fence_pv();
       fence_regs(pa);
       ring.release_v(g - 1);
-      c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
-        if constexpr (decltype(fold)::value) c.after_pv(ap0, ap1, ac0, ac1);
-      });
-    }
-  };
-  if (C::kFoldsPV && skp_prev)
-    run(std::false_type{});
-  else
-    run(std::true_type{});
+      c.after_pv(ap0, ap1, ac0, ac1);
+    });
+  } else {
+    wgmma_wait<0>();  // P.V(u-1) done
+    c.fence_pv();
+    fence_regs(pa);
+    ring.release_v(g - 1);
+    c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] { c.after_pv(ap0, ap1, ac0, ac1); });
+  }
   ap0 = ac0;
   ap1 = ac1;
 }
@@ -151,21 +121,17 @@ __device__ __forceinline__ void step_softmax(C& c, const int (&kb)[kHalves], con
 // consume_stream (hand_on: turns follow, consume's passed turns).
 template <int kCW, class C, class PA, class Ring>
 __device__ __forceinline__ void last_pv(C& c, const PA& pa, const Ring& ring, int g, int me, int other, float ap0,
-                                        float ap1, bool skip_pv, bool hand_on = false) {
+                                        float ap1, bool hand_on = false) {
   const uint64_t dv = c.desc_v(g % Ring::kStagesC);
   ring.wait_v(g);
-  if (skip_pv) {  // (the fence and the P.V batch in one block, as in step_turn)
-    turn_begin(me);
-  } else {
-    turn_begin(me);
-    c.issue_pv(dv, pa);
-  }
+  turn_begin(me);
+  c.issue_pv(dv, pa);
   wgmma_commit();
   if (hand_on || me != kCW - 1) turn_end(other);
   wgmma_wait<0>();
   c.fence_pv();
   ring.release_v(g);
-  if (!skip_pv) c.after_last_pv(ap0, ap1);
+  c.after_last_pv(ap0, ap1);
 }
 
 // consume's steps 0 .. n-1 (n >= 0; none, no turn) with their n + 1 turns;
@@ -186,7 +152,6 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
     c.load_kscale(kb, ksc);
   };
   // Step 0: Q.K^T alone, waited for.
-  bool skp;  // the PV skip of the step whose P is in pa (wg_skip)
   blocks(0);
   ring.wait_k(g0);
   trace_event(c.p, me, 1);
@@ -195,7 +160,6 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
   ring.release_k(g0);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
-    skp = wg_skip(c.p, st.skip_warp, c.cw);
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
   }
   WgTrace tr;
@@ -208,15 +172,15 @@ __device__ __forceinline__ void consume_steps(C& c, const RowWork& w, const Ring
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     blocks(u);
     tr.begin();
-    step_turn(c, [&] { c.issue_qk(dk); }, dv, pa, me, other, skp);
+    step_turn(c, [&] { c.issue_qk(dk); }, dv, pa, me, other);
     tr.end(1);
     tr.count(3);
-    step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1, skp);
+    step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1);
   }
   tr.count(4);
   tr.flush(c.p, me);
   trace_event(c.p, me, 3);
-  last_pv<kCW>(c, pa, ring, g0 + n_steps - 1, me, other, ap0, ap1, skp, hand_on);
+  last_pv<kCW>(c, pa, ring, g0 + n_steps - 1, me, other, ap0, ap1, hand_on);
   trace_event(c.p, me, 4);
 }
 
@@ -282,7 +246,6 @@ __device__ __forceinline__ void consume_serial(C& c, const RowWork& w, const Rin
   int kb[kHalves];
   float ksc[kHalves];
   float ap0 = 1.f, ap1 = 1.f;  // the last step's rescale factors
-  bool skp = false;            // the PV skip of the last step (wg_skip)
   for (int u = 0; u < n_mine; ++u) {
 #pragma unroll
     for (int hh = 0; hh < kHalves; ++hh) kb[hh] = w.block<kHalves>(u, hh);
@@ -296,24 +259,21 @@ __device__ __forceinline__ void consume_serial(C& c, const RowWork& w, const Rin
     ring.release_k(u);
     float ac0, ac1;
     const auto st = c.sm.row_max(c.s, kb, ksc, ac0, ac1);
-    skp = wg_skip(c.p, st.skip_warp, c.cw);
     c.sm.exponentiate(c.s, st, ac0, ac1, pa, [&] {
       if (u > 0) c.after_pv(ap0, ap1, ac0, ac1);  // O *= alpha(u); O is still 0 at step 0
     });
     ring.wait_v(u);
-    if (!skp) {
-      wgmma_fence();
-      c.issue_pv(c.desc_v(u % kStages), pa);
-      wgmma_commit();
-      wgmma_wait<0>();
-      c.fence_pv();
-      fence_regs(pa);  // the next step's P is written after P.V(u) has read this one
-    }
+    wgmma_fence();
+    c.issue_pv(c.desc_v(u % kStages), pa);
+    wgmma_commit();
+    wgmma_wait<0>();
+    c.fence_pv();
+    fence_regs(pa);  // the next step's P is written after P.V(u) has read this one
     ring.release_v(u);
     ap0 = ac0;
     ap1 = ac1;
   }
-  if (n_mine > 0 && !skp) c.after_last_pv(ap0, ap1);
+  if (n_mine > 0) c.after_last_pv(ap0, ap1);
   for (int u = n_mine; u < n_steps; ++u) {  // steps these rows cannot see: released once loaded
     ring.wait_k(u);
     ring.wait_v(u);
@@ -360,7 +320,6 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
     c.load_kscale(kb, ksc);
   };
   // The first row's step 0: Q.K^T alone.
-  bool skp;  // the PV skip of the step whose P is in pa (wg_skip)
   blocks(w, 0);
   mbar_wait(&qfull[0], 0);
   ring.wait_k(0);
@@ -368,7 +327,6 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
   ring.release_k(0);
   {
     const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
-    skp = wg_skip(p, st.skip_warp, cw);
     c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
   }
   int g = 1, u = 1, i = 0;  // the ring's next step, the row's next step, the row's index in the CTA
@@ -395,11 +353,11 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
     tr.end(0);
     const uint64_t dk = c.desc_k(s), dv = c.desc_v(sp);
     tr.begin();
-    step_turn(c, [&] { c.issue_qk(dk, dq); }, dv, pa, me, other, skp);
+    step_turn(c, [&] { c.issue_qk(dk, dq); }, dv, pa, me, other);
     tr.end(1);
     tr.count(3);
     if (!boundary) {
-      step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1, skp);
+      step_softmax<ML>(c, kb, ksc, pa, ring, g, ap0, ap1);
       ++u;
     } else {
       // The row's last P.V and the next row's first Q.K^T are done: the row's
@@ -410,7 +368,7 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
       fence_regs(pa);
       ring.release_k(g);
       ring.release_v(g - 1);
-      if (!skp) c.after_last_pv(ap0, ap1);
+      c.after_last_pv(ap0, ap1);
       tr.begin();
       c.epilogue(maps, ring.base, tid);
       tr.end(2);
@@ -421,14 +379,13 @@ __device__ __forceinline__ void consume_stream(const Maps& maps, const Params& p
       n = w.steps<kHalves>();
       c.retarget(w, tid, qbuf(i & 1));
       const auto st = c.sm.row_max(c.s, kb, ksc, ap0, ap1);
-      skp = wg_skip(p, st.skip_warp, cw);
       c.sm.exponentiate(c.s, st, ap0, ap1, pa, [] {});
       u = 1;
     }
     ++g;
   }
   // The last row's last P.V.
-  last_pv<kCW>(c, pa, ring, g - 1, me, other, ap0, ap1, skp);
+  last_pv<kCW>(c, pa, ring, g - 1, me, other, ap0, ap1);
   tr.begin();
   c.epilogue(maps, ring.base, tid);
   tr.end(2);

@@ -246,7 +246,6 @@ struct Mainloop16 {
     // After P.V(u-1), before P.V(u) is issued: O *= alpha(u), skipped when no
     // row of the warp changed its max (alpha is then exactly 1): after the
     // first few steps of a row most steps leave the max unchanged.
-    static constexpr bool kFoldsPV = false;  // P.V accumulates into O itself
     __device__ __forceinline__ void after_pv(float, float, float ac0, float ac1) {
       if (!__any_sync(0xffffffffu, ac0 != 1.f || ac1 != 1.f)) return;
 #pragma unroll

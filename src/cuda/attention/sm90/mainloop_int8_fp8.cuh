@@ -161,9 +161,7 @@ struct MainloopInt8Fp8 {
       }
     }
     __device__ __forceinline__ void fence_pv() { fence_regs(o_tile); }
-    // After P.V(u-1): O = O * alpha(u-1) + O_tile; none after a P.V that the
-    // PV skip left out (every row kept its max, alpha(u-1) = 1; kernel.cuh).
-    static constexpr bool kFoldsPV = true;
+    // After P.V(u-1): O = O * alpha(u-1) + O_tile.
     __device__ __forceinline__ void after_pv(float ap0, float ap1, float, float) { accumulate(ap0, ap1); }
     __device__ __forceinline__ void after_last_pv(float ap0, float ap1) { accumulate(ap0, ap1); }
     __device__ __forceinline__ void accumulate(float alpha0, float alpha1) {
