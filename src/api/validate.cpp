@@ -397,7 +397,7 @@ void attention_call_key(const sparge_tensor_t* q, const sparge_tensor_t* k, cons
                         const sparge_tensor_t* mask, const sparge_predict_params_t* params,
                         const sparge_tensor_t* out, const sparge_tensor_t* lse, const void* workspace,
                         AttnCallKey* key) {
-  static_assert(sizeof(AttnCallKey::Tensor) == 88 && sizeof(AttnCallKey) == 6 * 88 + 7 * 8,
+  static_assert(sizeof(AttnCallKey::Tensor) == 88 && sizeof(AttnCallKey) == 6 * 88 + 6 * 8,
                 "the call key is plain bytes without padding");
   key_tensor(q, &key->q);
   key_tensor(k, &key->k);
@@ -411,8 +411,6 @@ void attention_call_key(const sparge_tensor_t* q, const sparge_tensor_t* k, cons
   key->per_head[0] = heads ? params->topk_per_head : nullptr;
   key->per_head[1] = heads ? params->cdf_threshold_per_head : nullptr;
   key->per_head[2] = heads ? params->sim_threshold_per_head : nullptr;
-  // The kernels' parameter block holds the PV skip's threshold (a setup per value).
-  key->pv_threshold = (heads && params->pv_threshold > 0.0f) ? double(params->pv_threshold) : 0.0;
   // (as the backend decides from the validated params; a call whose params fail validation
   // never reaches it)
   key->dense = mask == nullptr && heads &&

@@ -24,7 +24,6 @@ struct AttnCallKey {
   Tensor q, k, v, out, mask, lse;  // mask, lse: all zero when absent
   const void* workspace;
   const void* per_head[3];  // topk, cdf_threshold, sim_threshold per head (params), NULL when absent
-  double pv_threshold;      // params->pv_threshold (0: off), baked into the kernels' parameters
   int64_t dense;            // 1: no mask and params that keep every block (keeps_every_block)
   uint64_t hash;            // of the fields above (a cheap first comparison)
 };

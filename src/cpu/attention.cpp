@@ -80,6 +80,11 @@ void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<i
   l = 0.0f;
   std::fill(acc.begin(), acc.end(), 0.0f);
   t.resize(size_t(per_step * kTile));
+  // A key of a listed tile that gets weight 0 still meets V in the tile product (0 * NaN = NaN).
+  auto add_zero_v = [&](int64_t j) {
+    const float* vj = v_row(j);
+    for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += 0.0f * vj[c];
+  };
   const size_t n_tiles = tiles.size();
   for (size_t s0 = 0; s0 < n_tiles; s0 += size_t(per_step)) {
     const size_t s1 = std::min(n_tiles, s0 + size_t(per_step));
@@ -91,10 +96,7 @@ void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<i
         float& tj = t[size_t(int64_t(u - s0) * kTile + (j - j0))];
         if (!rm.used(j)) {
           tj = -INFINITY;
-          if (v_nonfinite) {
-            const float* vj = v_row(j);
-            for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += 0.0f * vj[c];
-          }
+          if (v_nonfinite) add_zero_v(j);
           continue;
         }
         any = true;
@@ -112,11 +114,8 @@ void online_softmax_row(const Problem& p, const RowMask& rm, const std::vector<i
     if (m != -INFINITY && tmax < m - tau2) {  // PV skip
       if (v_nonfinite)
         for (size_t u = s0; u < s1; ++u)
-          for (int64_t j = tiles[u] * kTile, j1 = std::min(p.Lkv, j + kTile); j < j1; ++j) {
-            if (!rm.used(j)) continue;
-            const float* vj = v_row(j);
-            for (int64_t c = 0; c < D; ++c) acc[size_t(c)] += 0.0f * vj[c];
-          }
+          for (int64_t j = tiles[u] * kTile, j1 = std::min(p.Lkv, j + kTile); j < j1; ++j)
+            if (rm.used(j)) add_zero_v(j);
       continue;
     }
     const float mn = std::max(m, tmax);

@@ -36,7 +36,6 @@ ninja -C build-cpu). Deterministic: no random input.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
 import json
 import math
@@ -67,7 +66,6 @@ def _library():
 
 
 sparge, C = _library()
-PRECISIONS = {"int8_fp8": C.PRECISION_INT8_FP8, "fp16": C.PRECISION_FP16}
 
 
 # ------------------------------------------------------------------ captures and masks
@@ -143,45 +141,12 @@ def reference(cap: Cap, mask: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ the library
-def _desc(a: np.ndarray, code: int) -> "C.SpargeTensor":
-    t = C.SpargeTensor()
-    t.data = a.ctypes.data
-    t.device_type = C.DEVICE_CPU
-    t.device_id = 0
-    t.dtype = code
-    t.ndim = a.ndim
-    for i in range(a.ndim):
-        t.shape[i] = a.shape[i]
-        t.strides[i] = a.strides[i] // a.itemsize
-    return t
-
-
 def run_library(cap: Cap, mask: np.ndarray, precision: str, tau: float) -> np.ndarray:
-    """sparge_attention_run on the CPU backend with the mask and pv_threshold = tau: [Hq, L, D] float32."""
-    lib = C.lib
-    prob = C.SpargeProblem(batch=1, heads_q=cap.Hq, heads_kv=cap.Hkv, len_q=cap.L, len_kv=cap.Lkv,
-                           head_dim=cap.D, dtype=C.DTYPE_FLOAT16, device_type=C.DEVICE_CPU,
-                           precision=PRECISIONS[precision], causal=int(cap.causal), scale=cap.scale)
-    plan = ctypes.c_void_p()
-    C.check(lib.sparge_create_plan(ctypes.byref(prob), ctypes.byref(plan)), "sparge_create_plan")
-    try:
-        nbytes = ctypes.c_size_t()
-        C.check(lib.sparge_plan_workspace_size(plan, ctypes.byref(nbytes)), "workspace size")
-        raw = np.zeros(nbytes.value + 256, np.uint8)
-        off = (-raw.ctypes.data) % 256
-        ws = raw[off: off + nbytes.value]
-        q, k, v = cap.q[None], cap.k[None], cap.v[None]
-        m = np.ascontiguousarray(mask[None])
-        out = np.zeros_like(q)
-        params = C.SpargePredictParams(pv_threshold=float(tau))
-        C.check(lib.sparge_attention_run(plan, _desc(q, C.DTYPE_FLOAT16), _desc(k, C.DTYPE_FLOAT16),
-                                         _desc(v, C.DTYPE_FLOAT16), _desc(m, C.DTYPE_UINT8),
-                                         ctypes.byref(params), _desc(out, C.DTYPE_FLOAT16), None,
-                                         ws.ctypes.data if nbytes.value else None, nbytes.value, None),
-                "sparge_attention_run")
-    finally:
-        lib.sparge_destroy_plan(plan)
-    return out[0].astype(np.float32)
+    """The CPU backend on the mask with pv_threshold = tau (sparge.block_sparse_attention): [Hq, L, D] float32."""
+    out = sparge.block_sparse_attention(cap.q[None], cap.k[None], cap.v[None], np.ascontiguousarray(mask[None]),
+                                        is_causal=cap.causal, scale=cap.scale, layout="HND", precision=precision,
+                                        pv_threshold=float(tau))
+    return np.asarray(out)[0].astype(np.float32)
 
 
 # ------------------------------------------------------------------ skip statistics (emulated)

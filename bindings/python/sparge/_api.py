@@ -356,8 +356,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, topk: PerHead = 0.5, 
             P.V for them) when the step's largest score is below the row's running maximum minus
             ``t``: those weights are below ``exp(-t)`` of the row's largest. Applies to predicted,
             given and dense (``topk=1``) masks alike, in every precision but ``"exact"`` (a positive
-            value there is ``UnsupportedError``); NaN, negative or infinite values are
-            ``InvalidArgumentError``. A scalar for all heads.
+            value there is ``UnsupportedError``), on CPU tensors: CUDA plans refuse it in this release
+            (``UnsupportedError``); NaN, negative or infinite values are ``InvalidArgumentError``. A
+            scalar for all heads.
         return_sparsity: also return the block density ``kept / visible`` over all heads (a
             Python float: this synchronizes the host with the device).
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]`` (natural log).
